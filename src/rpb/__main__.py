@@ -1,0 +1,5 @@
+import sys
+
+from rpb.cli import main
+
+sys.exit(main())

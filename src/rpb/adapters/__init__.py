@@ -1,0 +1,21 @@
+"""How to find and drive the routers of each model family (facts as data)."""
+
+from rpb.adapters.hf import (
+    ADAPTERS,
+    MoELayer,
+    RouterFacts,
+    UnsupportedModelError,
+    find_moe_layers,
+    get_adapter,
+    register_adapter,
+)
+
+__all__ = [
+    "ADAPTERS",
+    "MoELayer",
+    "RouterFacts",
+    "UnsupportedModelError",
+    "find_moe_layers",
+    "get_adapter",
+    "register_adapter",
+]

@@ -1,0 +1,131 @@
+"""Per-architecture router facts for Hugging Face transformers (v5) MoE models.
+
+In transformers v5 every MoE block owns a router module (``mlp.gate``) whose forward
+returns ``(router_logits, combine_weights, expert_indices)``. What differs between
+families is recorded here as data, one ``RouterFacts`` per ``config.model_type``,
+never as if/elif chains on names. Adding a family = one ``register_adapter`` call
+(plus a parity test), e.g. for a fine-tuned variant with its own model_type::
+
+    from rpb.adapters import ADAPTERS, register_adapter
+    register_adapter(dataclasses.replace(ADAPTERS["qwen3_moe"], model_type="my_moe"))
+
+The selection facts (score function, expert bias, groups, normalisation, scaling)
+describe the model's own routing pipeline, which the training anchors reproduce.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RouterFacts:
+    model_type: str
+    #: class name of the router module, checked so a wrong match fails loudly
+    router_class: str
+    #: "sigmoid" or "softmax": the score function the router applies to its logits
+    score_function: str
+    #: regex on module names; group 1 is the decoder-layer index
+    router_path: str = r"(?:^|\.)layers\.(\d+)\.mlp\.gate$"
+    #: router buffer added to scores for selection only (DeepSeek-V3 / Moonlight)
+    expert_bias: str | None = None
+    #: group-limited top-k: None, "top2-sum" (DeepSeek-V3) or "max" (DeepSeek-V2)
+    group_scoring: str | None = None
+    #: config attribute that switches group-limited routing on (DeepSeek-V2's topk_method)
+    group_switch: tuple[str, str] | None = None
+    #: whether the top-k weights are renormalised: True, False, or the router attribute that says
+    normalize: bool | str = "norm_topk_prob"
+    #: router attribute holding the scaling factor of the combine weights (None = 1)
+    scaling_attr: str | None = None
+    #: config attribute with the model's top-k
+    top_k_config: str = "num_experts_per_tok"
+
+
+ADAPTERS: dict[str, RouterFacts] = {}
+
+
+def register_adapter(facts: RouterFacts, *, overwrite: bool = False) -> RouterFacts:
+    """Add (or, with overwrite=True, replace) the router facts for a model_type."""
+    if facts.model_type in ADAPTERS and not overwrite:
+        raise ValueError(f"an adapter for model_type {facts.model_type!r} exists; pass overwrite=True to replace it")
+    if facts.score_function not in ("sigmoid", "softmax"):
+        raise ValueError(f"score_function must be 'sigmoid' or 'softmax', got {facts.score_function!r}")
+    ADAPTERS[facts.model_type] = facts
+    return facts
+
+
+for _facts in (
+    RouterFacts(
+        "deepseek_v3",
+        "DeepseekV3TopkRouter",
+        "sigmoid",
+        expert_bias="e_score_correction_bias",
+        group_scoring="top2-sum",
+        scaling_attr="routed_scaling_factor",
+    ),
+    RouterFacts(
+        "deepseek_v2",
+        "DeepseekV2TopkRouter",
+        "softmax",
+        group_scoring="max",
+        group_switch=("topk_method", "group_limited_greedy"),
+        normalize=False,  # DeepSeek-V2 never renormalises its top-k weights
+        scaling_attr="routed_scaling_factor",
+    ),
+    RouterFacts("qwen3_moe", "Qwen3MoeTopKRouter", "softmax"),
+    RouterFacts("qwen2_moe", "Qwen2MoeTopKRouter", "softmax"),
+    RouterFacts("olmoe", "OlmoeTopKRouter", "softmax"),
+    RouterFacts("mixtral", "MixtralTopKRouter", "softmax", normalize=True),
+):
+    register_adapter(_facts)
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def get_adapter(model_type: str) -> RouterFacts:
+    try:
+        return ADAPTERS[model_type]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"no router adapter for model_type {model_type!r}. Supported: {', '.join(sorted(ADAPTERS))}. "
+            "If the model routes like a supported family, pass --adapter <that model_type> "
+            "(Python: adapter=...); otherwise register its facts with "
+            "rpb.adapters.register_adapter(RouterFacts(...)) and add a parity test."
+        ) from None
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer of a model: its decoder-layer index and its router module."""
+
+    layer_index: int
+    name: str
+    router: nn.Module
+
+
+def find_moe_layers(model: nn.Module, facts: RouterFacts) -> list[MoELayer]:
+    """Every router of ``model`` in layer order; fails loudly when none or a wrong class matches."""
+    pattern = re.compile(facts.router_path)
+    found = []
+    for name, module in model.named_modules():
+        match = pattern.search(name)
+        if match is None:
+            continue
+        if type(module).__name__ != facts.router_class:
+            raise UnsupportedModelError(
+                f"module {name!r} is a {type(module).__name__}, but the {facts.model_type!r} adapter expects "
+                f"{facts.router_class}; the model does not route like {facts.model_type}"
+            )
+        found.append(MoELayer(int(match.group(1)), name, module))
+    if not found:
+        raise UnsupportedModelError(
+            f"no router matching {facts.router_path!r} ({facts.router_class}) in the "
+            f"{type(model).__name__}; the {facts.model_type!r} adapter does not fit this model"
+        )
+    found.sort(key=lambda m: m.layer_index)
+    return found

@@ -1,0 +1,118 @@
+"""``rpb``: collect | validate | render | demo. Thin: parses arguments, calls the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rpb.data.errors import DataError
+
+
+def _collect(args) -> int:
+    from rpb.collect import collect
+
+    art = collect(
+        args.model,
+        args.data_jsonl,
+        args.out_path,
+        top_k=args.top_k,
+        max_seq_len=args.max_seq_len,
+        router_transform=args.router_transform,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        tokenizer_id=args.tokenizer,
+        adapter=args.adapter,
+        progress=not args.no_progress,
+    )
+    n, _, layers, experts = art.prior_qa.shape
+    print(f"wrote {args.out_path}: {n} samples x 2 spans x {layers} MoE layers x {experts} experts")
+    return 0
+
+
+def _validate(args) -> int:
+    from rpb.validate import validate_artifact
+
+    report = validate_artifact(
+        args.artifact,
+        data_jsonl=args.data_jsonl,
+        expected_model=args.expected_model,
+        expected_layers=args.expected_layers,
+        expected_experts=args.expected_experts,
+    )
+    print(report.format(), file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _render(args) -> int:
+    from rpb.collect import load_tokenizer
+    from rpb.render import render_file
+
+    n = render_file(load_tokenizer(args.tokenizer, args.trust_remote_code), args.input, args.out)
+    print(f"wrote {n} rows to {args.out}")
+    return 0
+
+
+def _demo(args) -> int:
+    from rpb.demo import run_demo
+
+    return run_demo(args.out, rows=args.rows, seed=args.seed, progress=not args.no_progress)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rpb", description="Router Prior Bias: soft router anchoring for MoE post-training")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("collect", help="collect the frozen base model's routing prior over a JSONL file")
+    c.add_argument("--model", required=True, help="base checkpoint directory or hub id")
+    c.add_argument("--data-jsonl", required=True, help="training conversations, one JSON object per line")
+    c.add_argument("--out-path", required=True, help="where to write the .safetensors prior")
+    c.add_argument("--top-k", type=int, required=True, help="must equal the model's own top-k")
+    c.add_argument("--max-seq-len", type=int, required=True, help="right-truncate to this many routed positions")
+    c.add_argument("--router-transform", default="softmax", choices=["softmax", "sigmoid-normalized"])
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--tokenizer", help="tokenizer directory or hub id (default: --model)")
+    c.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (never the model's)")
+    c.add_argument("--adapter", help="route this model with the adapter of another model_type")
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(func=_collect)
+
+    v = sub.add_parser("validate", help="check a prior artifact, optionally against its data and model")
+    v.add_argument("artifact")
+    v.add_argument("--data-jsonl")
+    v.add_argument("--expected-model")
+    v.add_argument("--expected-layers", type=int)
+    v.add_argument("--expected-experts", type=int)
+    v.set_defaults(func=_validate)
+
+    r = sub.add_parser("render", help="turn question/answer rows into reference-form input/output rows")
+    r.add_argument("--tokenizer", required=True)
+    r.add_argument("--in", dest="input", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--trust-remote-code", action="store_true")
+    r.set_defaults(func=_render)
+
+    d = sub.add_parser("demo", help="the embedded default: tiny Moonlight-shaped MoE, synthetic data, prior")
+    d.add_argument("--out", default="rpb-demo")
+    d.add_argument("--rows", type=int, default=64)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DataError as e:
+        print(f"rpb {args.command}: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"rpb {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

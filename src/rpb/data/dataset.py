@@ -1,0 +1,94 @@
+"""A data file turned into labelled examples, and the padding collator.
+
+``load_labelled`` reads, renders and tokenizes every row, and raises one
+``DataError`` listing every bad row before anything is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rpb.data.errors import DataError, RowError, RowProblem
+from rpb.data.jsonl import file_sha256, read_jsonl
+from rpb.data.template import ChatTemplate
+from rpb.data.tokens import tokenize_labelled
+from rpb.prior import SPAN_A, SPAN_Q, STRUCTURAL
+
+
+@dataclass(frozen=True)
+class Example:
+    """One row: its sample index (0-based line), token ids and per-token span ids."""
+
+    index: int
+    input_ids: list[int]
+    span_ids: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class LabelledData:
+    path: str
+    sha256: str
+    examples: list[Example]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.examples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(e) for e in self.examples)
+
+
+def label_row(template: ChatTemplate, row, max_seq_len: int) -> tuple[list[int], list[int]]:
+    text, ranges = template.locate(row)
+    ids, spans = tokenize_labelled(template.tokenizer, text, ranges, max_seq_len)
+    for span, name, kind in ((SPAN_Q, "Q (user content)", "empty-q-span"), (SPAN_A, "A (assistant)", "empty-a-span")):
+        if span not in spans:
+            why = "after truncation to" if any(r[2] == span and r[1] > r[0] for r in ranges) else "within"
+            raise RowProblem(kind, f"the {name} span has no tokens {why} max_seq_len={max_seq_len}")
+    return ids, spans
+
+
+def load_labelled(path: str | Path, tokenizer, max_seq_len: int) -> LabelledData:
+    """Every row of ``path`` labelled; raises DataError listing all bad rows."""
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    path = Path(path)
+    template = ChatTemplate(tokenizer)
+    rows, errors = read_jsonl(path)
+    examples: list[Example] = []
+    for index, row in enumerate(rows):
+        if row is None:
+            continue
+        try:
+            ids, spans = label_row(template, row, max_seq_len)
+        except RowProblem as p:
+            errors.append(p.at(index + 1))
+            continue
+        examples.append(Example(index, ids, spans))
+    if not rows:
+        errors.append(RowError(1, "empty-file", "the data file has no rows"))
+    if errors:
+        raise DataError(str(path), sorted(errors, key=lambda e: e.line))
+    return LabelledData(str(path), file_sha256(path), examples)
+
+
+def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a batch. Padding gets attention 0 and span STRUCTURAL, so it never counts."""
+    width = max(len(e) for e in examples)
+    ids_BT = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    mask_BT = torch.zeros((len(examples), width), dtype=torch.long)
+    span_BT = torch.full((len(examples), width), STRUCTURAL, dtype=torch.long)
+    for b, e in enumerate(examples):
+        n = len(e)
+        ids_BT[b, :n] = torch.tensor(e.input_ids)
+        mask_BT[b, :n] = 1
+        span_BT[b, :n] = torch.tensor(e.span_ids)
+    index_B = torch.tensor([e.index for e in examples], dtype=torch.long)
+    return {"input_ids": ids_BT, "attention_mask": mask_BT, "span_ids": span_BT, "sample_index": index_B}

@@ -1,0 +1,89 @@
+"""Pure prior math (tensor in, tensor out): paper eq. 2 and eq. 3.
+
+Shape legend for the suffixes on tensor names:
+  B = batch rows, T = token positions, E = routed experts, S = spans (0 = Q, 1 = A),
+  L = MoE layers, N = samples (rows of the data file).
+
+Nothing here knows about models, files or tokenizers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Span ids used on every per-token label tensor. Structural and padding tokens are -1.
+SPAN_Q = 0
+SPAN_A = 1
+STRUCTURAL = -1
+NUM_SPANS = 2
+SPAN_NAMES = ("Q", "A")
+
+#: Router transforms p_base(e | x_t) that a prior may be collected under.
+ROUTER_TRANSFORMS = ("softmax", "sigmoid-normalized")
+
+DEFAULT_EPS = 0.05
+DEFAULT_CLIP = 5.0
+
+
+def router_probs(logits_TE: torch.Tensor, transform: str) -> torch.Tensor:
+    """Map raw router logits z to a distribution over experts, in float32.
+
+    ``softmax``: softmax(z), the paper's definition of p_base.
+    ``sigmoid-normalized``: sigmoid(z_e) / sum_e' sigmoid(z_e'), for sigmoid routers
+    (DeepSeek-V3 / Moonlight) read as a distribution. Neither transform reads an
+    expert-correction bias: the prior describes the router, not its load balancer.
+    """
+    z = logits_TE.float()
+    if transform == "softmax":
+        return torch.softmax(z, dim=-1)
+    if transform == "sigmoid-normalized":
+        s = torch.sigmoid(z)
+        return s / s.sum(dim=-1, keepdim=True)
+    raise ValueError(f"unknown router transform {transform!r}; choose one of {ROUTER_TRANSFORMS}")
+
+
+def span_sums(probs_BTE: torch.Tensor, span_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row, per-span sums of token probabilities, and the token counts behind them.
+
+    ``span_BT`` holds SPAN_Q / SPAN_A for content tokens and STRUCTURAL (-1) for the
+    rest, padding included, which therefore never counts.
+    Returns ``(sums_BSE, counts_BS)``; both float32 / int64.
+    """
+    onehot_BTS = torch.stack([span_BT == s for s in range(NUM_SPANS)], dim=-1).to(torch.float32)
+    sums_BSE = torch.einsum("bts,bte->bse", onehot_BTS, probs_BTE.float())
+    return sums_BSE, span_counts(span_BT)
+
+
+def span_counts(span_BT: torch.Tensor) -> torch.Tensor:
+    """Tokens per row and span: ``counts_BS`` (int64)."""
+    return torch.stack([(span_BT == s).sum(dim=1) for s in range(NUM_SPANS)], dim=-1).to(torch.int64)
+
+
+def span_means(probs_BTE: torch.Tensor, span_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 2: pi[x, s, e] = mean over the tokens t of span s of p_base(e | x_t).
+
+    Returns ``(pi_BSE, counts_BS)``. A span without tokens gets NaN, which the
+    data layer makes impossible (such rows are rejected before any compute).
+    """
+    sums_BSE, counts_BS = span_sums(probs_BTE, span_BT)
+    return sums_BSE / counts_BS.unsqueeze(-1).to(torch.float32), counts_BS
+
+
+def clip_prior(pi_E: torch.Tensor, eps: float = DEFAULT_EPS, clip: float = DEFAULT_CLIP) -> torch.Tensor:
+    """Clamp each expert's prior to [eps/E, C/E] and renormalise over experts (last axis)."""
+    num_experts = pi_E.shape[-1]
+    if not 0 < eps <= 1 <= clip:
+        raise ValueError(f"need 0 < eps <= 1 <= C, got eps={eps}, C={clip}")
+    q = pi_E.float().clamp(eps / num_experts, clip / num_experts)
+    return q / q.sum(dim=-1, keepdim=True)
+
+
+def log_prior_bias(pi_E: torch.Tensor, eps: float = DEFAULT_EPS, clip: float = DEFAULT_CLIP) -> torch.Tensor:
+    """Eq. 3: b = log q - mean_e log q, with q the clipped, renormalised prior.
+
+    Works on any leading shape (e.g. pi_NSLE -> b_NSLE); the last axis is experts.
+    The clip keeps the bias finite (|b| <= log(C/eps)); centring makes it a relative
+    preference, so adding it to logits does not move their mean.
+    """
+    log_q = clip_prior(pi_E, eps, clip).log()
+    return log_q - log_q.mean(dim=-1, keepdim=True)

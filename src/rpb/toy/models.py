@@ -1,0 +1,134 @@
+"""Tiny MoE models of every supported family, built from transformers configs.
+
+``ARCHITECTURES`` maps a name to (model_type, config kwargs): per-family facts as
+data. Weights are seeded; DeepSeek-V3's ``e_score_correction_bias`` (zero at init)
+and all router weights are randomised so that routing is neither uniform nor
+bias-free, which would hide mistakes.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+_COMMON = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4}
+_MLA = {"kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8}
+
+#: name -> (model_type, config overrides). "moonlight" is the Moonlight-16B-A3B shape, scaled down.
+ARCHITECTURES: dict[str, tuple[str, dict]] = {
+    "moonlight": (
+        "deepseek_v3",
+        {
+            **_COMMON,
+            **_MLA,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.446,
+        },
+    ),
+    "deepseek_v3_grouped": (
+        "deepseek_v3",
+        {
+            **_COMMON,
+            **_MLA,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 4,
+            "n_shared_experts": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+        },
+    ),
+    "deepseek_v2": (
+        "deepseek_v2",
+        {
+            **_COMMON,
+            **_MLA,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 1,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 1.0,
+        },
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            **_COMMON,
+            "head_dim": 8,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            **_COMMON,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": False,
+        },
+    ),
+    "mixtral": (
+        "mixtral",
+        {**_COMMON, "intermediate_size": 16, "num_local_experts": 8, "num_experts_per_tok": 2},
+    ),
+    "olmoe": (
+        "olmoe",
+        {**_COMMON, "intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
+    ),
+}
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides):
+    try:
+        model_type, kwargs = ARCHITECTURES[arch]
+    except KeyError:
+        raise ValueError(f"unknown toy architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}") from None
+    kwargs = {**kwargs, "vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def randomize_routers(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
+    """Give every router random weights (std ``scale``) and DeepSeek-V3 a random expert bias."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not name.endswith("mlp.gate") or not hasattr(module, "weight"):
+                continue
+            module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * scale / module.weight.shape[1] ** 0.5)
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(torch.randn(bias.shape, generator=gen) * 0.1)
+
+
+def build_tiny_model(arch: str, vocab_size: int, seed: int = 0, **overrides):
+    """A seeded tiny causal LM of family ``arch`` with randomised routers, in eval mode."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, vocab_size, **overrides))
+    randomize_routers(model, seed + 1, scale=4.0)
+    return model.eval()
