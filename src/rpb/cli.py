@@ -60,7 +60,9 @@ def _demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rpb", description="Router Prior Bias: soft router anchoring for MoE post-training")
+    p = argparse.ArgumentParser(
+        prog="rpb", description="Router Prior Bias: soft router anchoring for MoE post-training"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("collect", help="collect the frozen base model's routing prior over a JSONL file")
@@ -73,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-size", type=int, default=8)
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     c.add_argument("--tokenizer", help="tokenizer directory or hub id (default: --model)")
-    c.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (never the model's)")
+    c.add_argument(
+        "--trust-remote-code", action="store_true", help="allow the tokenizer's own code (never the model's)"
+    )
     c.add_argument("--adapter", help="route this model with the adapter of another model_type")
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(func=_collect)

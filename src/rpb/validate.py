@@ -37,8 +37,7 @@ class ValidationReport:
             f"{self.path}: OK",
             f"  samples {s['samples']}, MoE layers {s['layers']} (model layers {s['moe_layers']}), "
             f"experts {s['experts']}, transform {s['router_transform']}, top-k {s['top_k']}",
-            "  per-layer utilization entropy (bits; max log2 E = "
-            f"{math.log2(s['experts']):.3f}), Q / A:",
+            f"  per-layer utilization entropy (bits; max log2 E = {math.log2(s['experts']):.3f}), Q / A:",
         ]
         for layer, hq, ha in zip(s["moe_layers"], s["entropy_q_bits"], s["entropy_a_bits"], strict=True):
             lines.append(f"    layer {layer:3d}: {hq:.3f} / {ha:.3f}")
@@ -71,13 +70,17 @@ def _check_tensors(art, meta: dict, problems: list[str]) -> None:
     if prior.dtype != torch.float32:
         problems.append(f"prior_qa: dtype {prior.dtype}, expected float32")
     if tuple(prior.shape) != expected:
-        problems.append(f"prior_qa: shape {tuple(prior.shape)}, metadata says [rows, 2, MoE layers, experts] = {expected}")
+        problems.append(
+            f"prior_qa: shape {tuple(prior.shape)}, metadata says [rows, 2, MoE layers, experts] = {expected}"
+        )
     if prior.dim() != 4:
         return
     finite = torch.isfinite(prior)
     if not finite.all():
         bad = (~finite).nonzero()[0].tolist()
-        problems.append(f"prior_qa: {int((~finite).sum())} non-finite value(s), first at [sample, span, layer, expert]={bad}")
+        problems.append(
+            f"prior_qa: {int((~finite).sum())} non-finite value(s), first at [sample, span, layer, expert]={bad}"
+        )
     if (prior < 0).any():
         bad = (prior < 0).nonzero()[0].tolist()
         problems.append(f"prior_qa: {int((prior < 0).sum())} negative value(s), first at {bad}")

@@ -11,6 +11,7 @@ single tokenization exactly, else by binary search on decoded prefix lengths.
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import torch
 
@@ -50,7 +51,7 @@ def _offsets_from_pieces(tokenizer, text: str, ids: list[int], ranges: list[Char
     """Offsets when tokenizing the pieces between boundaries reproduces ``ids`` exactly."""
     cuts = sorted({0, len(text), *(p for a, b, _ in ranges for p in (a, b))})
     offsets, piece_ids = [], []
-    for lo, hi in zip(cuts, cuts[1:], strict=False):
+    for lo, hi in itertools.pairwise(cuts):
         sub = _encode(tokenizer, text[lo:hi])
         piece_ids.extend(sub)
         offsets.extend([(lo, hi)] * len(sub))  # each token lies inside its piece

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import string
+from typing import ClassVar
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizer, PreTrainedTokenizerFast
@@ -101,8 +102,8 @@ def chatml_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
 class CharSlowTokenizer(PreTrainedTokenizer):
     """A pure-Python character tokenizer: no offset mapping, like tiktoken-based slow tokenizers."""
 
-    vocab_files_names = {"vocab_file": "vocab.json"}
-    model_input_names = ["input_ids", "attention_mask"]
+    vocab_files_names: ClassVar[dict] = {"vocab_file": "vocab.json"}
+    model_input_names: ClassVar[list] = ["input_ids", "attention_mask"]
 
     def __init__(self, vocab_file: str | None = None, **kwargs):
         if vocab_file is None:
