@@ -57,6 +57,7 @@ def moonlight_tokenizer() -> PreTrainedTokenizerFast:
     vocab = _char_vocab(MOONLIGHT_SPECIALS)
     # BPE without merges and without a pre-tokenizer splits text into single characters.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.decoder = decoders.Fuse()  # characters join back without separators
     tok.add_special_tokens([PAD, UNK, *MOONLIGHT_SPECIALS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,

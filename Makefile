@@ -1,0 +1,31 @@
+# Set-up and the two entry points of the README: `make demo` (main job) and `make test`.
+# Everything installs into a fresh virtual environment in .venv; nothing outside it is used.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# A CPU build of PyTorch: an unpinned torch would pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: venv demo test lint clean
+
+$(BIN)/rpb: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@touch $@
+
+venv: $(BIN)/rpb
+
+demo: venv
+	$(BIN)/rpb demo --out rpb-demo
+
+lint: venv
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+test: venv lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) rpb-demo .pytest_cache .ruff_cache

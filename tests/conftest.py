@@ -1,0 +1,54 @@
+"""Shared fixtures: locally built tokenizers, tiny saved checkpoints, JSONL writers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rpb.toy.models import build_tiny_model
+from rpb.toy.tokenizers import CharSlowTokenizer, chatml_tokenizer, moonlight_tokenizer
+
+
+@pytest.fixture(scope="session")
+def moon_tok():
+    return moonlight_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def chatml_tok():
+    return chatml_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def slow_tok():
+    return CharSlowTokenizer()
+
+
+def write_rows(path: Path, rows: list) -> Path:
+    """Rows may be dicts (dumped as JSON) or raw strings (written as they are)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+def qa(question: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+@pytest.fixture(scope="session")
+def save_tiny(tmp_path_factory, moon_tok):
+    """save_tiny(arch, seed=0) -> directory holding a tiny model of ``arch`` and the Moonlight tokenizer."""
+    cache: dict = {}
+
+    def make(arch: str, seed: int = 0) -> Path:
+        if (arch, seed) not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}-{seed}")
+            build_tiny_model(arch, vocab_size=len(moon_tok), seed=seed).save_pretrained(out)
+            moon_tok.save_pretrained(out)
+            cache[arch, seed] = out
+        return cache[arch, seed]
+
+    return make
