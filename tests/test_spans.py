@@ -63,7 +63,9 @@ def test_multi_turn_every_user_turn_is_q_every_assistant_turn_is_a(moon_tok, cha
 
 
 def test_chatml_inserted_think_block_is_structural(chatml_tok):
-    ids, labels = labelled(chatml_tok, [{"role": "user", "content": "Sort [3, 1]."}, {"role": "assistant", "content": "[1, 3]"}])
+    ids, labels = labelled(
+        chatml_tok, [{"role": "user", "content": "Sort [3, 1]."}, {"role": "assistant", "content": "[1, 3]"}]
+    )
     assert text_of(chatml_tok, ids, labels, SPAN_A) == ["[1, 3]"]
     structural = chatml_tok.decode([i for i, s in zip(ids, labels, strict=True) if s == STRUCTURAL])
     assert structural == "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n<|im_end|>\n"
@@ -149,7 +151,9 @@ def test_truncation_is_on_the_right_and_can_empty_a_span(moon_tok):
 
 def test_template_that_strips_content_is_aligned(moon_tok):
     tok = moonlight_with_template(moon_tok, "{{ message['content'] | trim }}")
-    ids, labels = labelled(tok, [{"role": "user", "content": "  padded question \n"}, {"role": "assistant", "content": "ok"}])
+    ids, labels = labelled(
+        tok, [{"role": "user", "content": "  padded question \n"}, {"role": "assistant", "content": "ok"}]
+    )
     assert text_of(tok, ids, labels, SPAN_Q) == ["padded question"]
     assert text_of(tok, ids, labels, SPAN_A) == ["ok"]
 

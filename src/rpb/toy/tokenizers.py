@@ -108,7 +108,7 @@ class CharSlowTokenizer(PreTrainedTokenizer):
 
     def __init__(self, vocab_file: str | None = None, **kwargs):
         if vocab_file is None:
-            self._vocab = {c: i for i, c in enumerate([PAD, UNK, *CHARSET])}
+            self._vocab = _char_vocab(MOONLIGHT_SPECIALS)  # the same ids as moonlight_tokenizer()
         else:
             with open(vocab_file, encoding="utf-8") as f:
                 self._vocab = json.load(f)

@@ -1,0 +1,87 @@
+"""Every kind of bad row gets its own named error with its line number, all reported together,
+before any model compute, and no artifact is written."""
+
+import json
+
+import pytest
+
+from rpb.cli import main
+from rpb.data import DataError, load_labelled
+from tests.conftest import qa, write_rows
+
+GOOD = qa("What is 1 + 1?", "2")
+LONG_SYSTEM = {
+    "messages": [
+        {"role": "system", "content": "s" * 100},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
+}
+BAD_ROWS = [
+    (json.dumps(GOOD), None),
+    ("", "blank"),
+    ('{"messages": [', "malformed-json"),
+    ("[1, 2]", "malformed-json"),
+    (json.dumps({"input": "<|im_user|>user<|im_middle|>hi"}), "missing-field"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "a"}]}),
+        "non-string-field",
+    ),
+    (json.dumps({"input": "What is 2+2?", "output": "4"}), "marker-free"),
+    (json.dumps(LONG_SYSTEM), "empty-q-span"),  # the user turn lies beyond max_seq_len
+    (json.dumps(qa("q" * 100, "a")), "empty-a-span"),  # the answer lies beyond max_seq_len
+    (json.dumps({"messages": [{"role": "user", "content": "only a question"}]}), "empty-a-span"),
+    (json.dumps({"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]}), "missing-field"),
+    (json.dumps({"question": "q", "answer": "a"}), "missing-field"),
+    (json.dumps(GOOD), None),
+]
+MAX_LEN = 96
+
+
+@pytest.fixture
+def bad_file(tmp_path):
+    return write_rows(tmp_path / "bad.jsonl", [row for row, _ in BAD_ROWS])
+
+
+def test_every_bad_row_is_named_with_its_line(bad_file, moon_tok):
+    with pytest.raises(DataError) as err:
+        load_labelled(bad_file, moon_tok, MAX_LEN)
+    expected = [(line, kind) for line, (_, kind) in enumerate(BAD_ROWS, start=1) if kind]
+    assert [(e.line, e.kind) for e in err.value.errors] == expected
+    text = str(err.value)
+    for line, kind in expected:
+        assert f"{bad_file}:{line}: {kind}" in text
+    assert "[messages[0].content]" in text  # the field is named
+
+
+def test_cli_reports_all_rows_and_writes_nothing_before_loading_the_model(bad_file, save_tiny, tmp_path, capsys):
+    out = tmp_path / "prior.safetensors"
+    code = main(
+        [
+            "collect",
+            "--model",
+            str(tmp_path / "no-such-model"),
+            "--tokenizer",
+            str(save_tiny("moonlight")),
+            "--data-jsonl",
+            str(bad_file),
+            "--out-path",
+            str(out),
+            "--top-k",
+            "2",
+            "--max-seq-len",
+            str(MAX_LEN),
+            "--no-progress",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "11 bad row(s)" in err and "no-such-model" not in err  # the model was never touched
+    assert not out.exists() and list(tmp_path.glob("*.safetensors*")) == []
+
+
+def test_empty_file_is_an_error(tmp_path, moon_tok):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="no rows"):
+        load_labelled(empty, moon_tok, MAX_LEN)

@@ -1,0 +1,170 @@
+"""End-to-end through the ``rpb`` command: collect, validate, render, refusals, atomic writes."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rpb import artifact as artifact_module
+from rpb.cli import main
+from rpb.collect import collect
+from rpb.toy.data import conversations, write_jsonl
+from tests.conftest import qa, write_rows
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_jsonl(conversations(12, seed=3), tmp_path / "train.jsonl")
+
+
+def collect_args(model, data, out, *extra):
+    return [
+        "collect",
+        "--model",
+        str(model),
+        "--data-jsonl",
+        str(data),
+        "--out-path",
+        str(out),
+        "--top-k",
+        "2",
+        "--max-seq-len",
+        "256",
+        *extra,
+    ]
+
+
+def test_collect_then_validate(save_tiny, data, tmp_path, capsys):
+    out = tmp_path / "prior.safetensors"
+    assert main(collect_args(save_tiny("moonlight"), data, out, "--batch-size", "5")) == 0
+    captured = capsys.readouterr()
+    assert "row/s" in captured.err and "tok_s=" in captured.err  # progress: rows/s and tokens/s
+    assert main(["validate", str(out), "--data-jsonl", str(data), "--expected-model", str(save_tiny("moonlight"))]) == 0
+    meta = json.loads(load_file.__globals__["safe_open"](str(out), "pt").metadata()["rpb"])
+    assert meta["model_type"] == "deepseek_v3" and meta["num_rows"] == 12 and meta["top_k"] == 2
+    assert meta["routed_positions"] == "all-positions-of-truncated-sequence"
+    for text in ("What is", "Sort the list", "Reverse"):  # no conversation text is stored
+        assert text.encode() not in out.read_bytes()
+
+
+def test_batch_size_does_not_change_the_prior(save_tiny, data, tmp_path):
+    a = collect(str(save_tiny("moonlight")), data, tmp_path / "a.safetensors", 2, 256, batch_size=1, progress=False)
+    b = collect(str(save_tiny("moonlight")), data, tmp_path / "b.safetensors", 2, 256, batch_size=7, progress=False)
+    torch.testing.assert_close(a.prior_qa, b.prior_qa, atol=1e-5, rtol=0)
+
+
+def test_top_k_must_match_the_model(save_tiny, data, tmp_path, capsys):
+    out = tmp_path / "prior.safetensors"
+    args = collect_args(save_tiny("moonlight"), data, out)
+    args[args.index("--top-k") + 1] = "6"
+    assert main(args) == 2
+    assert "--top-k 6 does not match the model's own top-k (num_experts_per_tok=2)" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_unsupported_model_names_supported_types(tmp_path, moon_tok, data, capsys):
+    dense = tmp_path / "llama"
+    cfg = LlamaConfig(
+        vocab_size=len(moon_tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(dense)
+    moon_tok.save_pretrained(dense)
+    assert main(collect_args(dense, data, tmp_path / "p.safetensors")) == 2
+    err = capsys.readouterr().err
+    assert "no router adapter for model_type 'llama'" in err
+    assert "deepseek_v3" in err and "qwen3_moe" in err and "--adapter" in err and "register_adapter" in err
+
+
+def test_adapter_override_and_wrong_adapter(save_tiny, data, tmp_path, capsys):
+    # a Qwen3-MoE checkpoint routed with the OLMoE facts: the router class differs, so it fails loudly
+    assert main(collect_args(save_tiny("qwen3_moe"), data, tmp_path / "p.safetensors", "--adapter", "olmoe")) == 2
+    assert "expects OlmoeTopKRouter" in capsys.readouterr().err
+
+
+def test_model_code_is_never_run_and_tokenizer_code_only_with_the_flag(save_tiny, data, tmp_path, capsys):
+    ckpt = tmp_path / "moonlight-remote"
+    shutil.copytree(save_tiny("moonlight"), ckpt)
+    # like Moonlight: the checkpoint ships modeling code (here one that must never run) ...
+    (ckpt / "modeling_remote.py").write_text("raise RuntimeError('remote modeling code was executed')\n")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "modeling_remote.Model", "AutoModelForCausalLM": "modeling_remote.Model"}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    # ... and a slow tokenizer of its own, without offset mapping
+    for f in ckpt.glob("tokenizer*.json"):
+        f.unlink()
+    from rpb.toy.tokenizers import CharSlowTokenizer
+
+    CharSlowTokenizer().save_pretrained(ckpt)
+    (ckpt / "tokenization_remote.py").write_text("from rpb.toy.tokenizers import CharSlowTokenizer\n")
+    tok_config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    tok_config["auto_map"] = {"AutoTokenizer": ["tokenization_remote.CharSlowTokenizer", None]}
+    tok_config["tokenizer_class"] = "CharSlowTokenizer"
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(tok_config))
+
+    out = tmp_path / "prior.safetensors"
+    assert main(collect_args(ckpt, data, out, "--no-progress")) == 2  # tokenizer code needs the flag
+    assert not out.exists()
+    capsys.readouterr()
+    assert main(collect_args(ckpt, data, out, "--no-progress", "--trust-remote-code")) == 0
+    fast = tmp_path / "fast.safetensors"
+    assert main(collect_args(save_tiny("moonlight"), data, fast, "--no-progress")) == 0
+    # same model weights and the same labels from the slow tokenizer: the same prior
+    torch.testing.assert_close(load_file(out)["prior_qa"], load_file(fast)["prior_qa"], atol=1e-6, rtol=0)
+
+
+def test_interrupted_write_leaves_no_artifact(save_tiny, data, tmp_path, monkeypatch):
+    out = tmp_path / "prior.safetensors"
+
+    def crash(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"partial bytes")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifact_module, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        collect(str(save_tiny("moonlight")), data, out, 2, 256, progress=False)
+    assert list(tmp_path.iterdir()) == [data]  # neither the artifact nor a temporary file
+
+
+def test_render_then_collect_equals_messages_form(save_tiny, tmp_path, capsys):
+    raw = write_rows(
+        tmp_path / "raw.jsonl",
+        [
+            {"question": "What is 3 + 4?", "answer": "7"},
+            {"system": "Be terse.", "question": "Sort [2, 1].", "answer": "[1, 2]"},
+        ],
+    )
+    rendered = tmp_path / "rendered.jsonl"
+    assert main(["render", "--tokenizer", str(save_tiny("moonlight")), "--in", str(raw), "--out", str(rendered)]) == 0
+    rows = [json.loads(line) for line in rendered.read_text().splitlines()]
+    assert rows[0]["input"].endswith("<|im_assistant|>assistant<|im_middle|>") and rows[0]["output"] == "7<|im_end|>"
+    messages = write_rows(
+        tmp_path / "messages.jsonl",
+        [
+            qa("What is 3 + 4?", "7"),
+            {"messages": [{"role": "system", "content": "Be terse."}, *qa("Sort [2, 1].", "[1, 2]")["messages"]]},
+        ],
+    )
+    model = str(save_tiny("moonlight"))
+    a = collect(model, rendered, tmp_path / "a.safetensors", 2, 256, progress=False)
+    b = collect(model, messages, tmp_path / "b.safetensors", 2, 256, progress=False)
+    torch.testing.assert_close(a.prior_qa, b.prior_qa, atol=0, rtol=0)
+
+
+def test_render_reports_bad_rows(save_tiny, tmp_path, capsys):
+    raw = write_rows(tmp_path / "raw.jsonl", [{"question": "q"}, "not json", {"question": 1, "answer": "a"}])
+    out = tmp_path / "rendered.jsonl"
+    assert main(["render", "--tokenizer", str(save_tiny("moonlight")), "--in", str(raw), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{raw}:1: missing-field [answer]" in err
+    assert f"{raw}:2: malformed-json" in err
+    assert f"{raw}:3: non-string-field [question]" in err
+    assert not out.exists()
