@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from rpb.adapters import find_moe_layers, get_adapter
 from rpb.collect import batches, collect_prior, load_base_model, load_tokenizer
@@ -38,13 +39,17 @@ from rpb.toy.data import conversations, write_jsonl
 from rpb.toy.models import build_tiny_model
 from rpb.toy.tokenizers import moonlight_tokenizer
 
+#: Moonlight's layout at a small width: MLA attention, 64 routed experts (top-6), shared experts, dense first layer.
+MLA = dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+MOE = dict(num_hidden_layers=4, moe_intermediate_size=64, n_routed_experts=64, num_experts_per_tok=6)
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=48, help="conversations in the data file")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3, help="timed passes of each, after one warm-up")
+    p.add_argument("--repeats", type=int, default=5, help="timed passes of each, after one warm-up")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
@@ -79,87 +84,66 @@ def time_forward(model, examples, args, pad_id) -> float:
     return time.perf_counter() - started
 
 
+def build(tmp: Path, args) -> tuple[Path, Path]:
+    """The checkpoint (model + tokenizer) and the data file, written under ``tmp``."""
+    model_dir, data_path = tmp / "model", tmp / "data.jsonl"
+    shape = {**MLA, **MOE, "hidden_size": args.hidden_size, "intermediate_size": 2 * args.hidden_size}
+    build_tiny_model("moonlight", args.vocab_size, args.seed, **shape).save_pretrained(model_dir)
+    moonlight_tokenizer().save_pretrained(model_dir)
+    write_data(data_path, args.rows, args.seed)
+    return model_dir, data_path
+
+
 def main() -> None:
     args = parse_args()
     if args.vocab_size < 32768:
         raise SystemExit("--vocab-size must be >= 32768 (a realistic vocabulary-to-width ratio)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="rpb-bench-") as tmp:
-        model_dir, data_path = Path(tmp) / "model", Path(tmp) / "data.jsonl"
-        shape = {
-            "hidden_size": args.hidden_size,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "kv_lora_rank": 64,
-            "qk_nope_head_dim": 32,
-            "qk_rope_head_dim": 16,
-            "v_head_dim": 32,
-            "intermediate_size": 2 * args.hidden_size,
-            "moe_intermediate_size": 64,
-            "n_routed_experts": 64,
-            "num_experts_per_tok": 6,
-        }
-        build_tiny_model("moonlight", args.vocab_size, args.seed, **shape).save_pretrained(model_dir)
-        moonlight_tokenizer().save_pretrained(model_dir)
-        write_data(data_path, args.rows, args.seed)
-
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="rpb-bench-", ignore_cleanup_errors=True) as tmp:
+        model_dir, data_path = build(Path(tmp), args)
         tokenizer = load_tokenizer(str(model_dir))
         examples = load_labelled(data_path, tokenizer, args.max_seq_len).examples
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        tokens = sum(len(e) for e in examples)  # collate pads on the right: exactly the unmasked tokens
-        padded = sum(len(b) * max(len(e) for e in b) for b in batches(examples, args.batch_size))
-
         base = load_base_model(str(model_dir))
         layers = find_moe_layers(base, get_adapter(base.config.model_type))
         full = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        cfg = full.config
-        print(
-            f"model: {cfg.model_type}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, "
-            f"{cfg.num_hidden_layers} layers ({len(layers)} MoE, {cfg.n_routed_experts} experts, top-{cfg.num_experts_per_tok})"
-        )
-        print(
-            f"attention {base.config._attn_implementation}/{cfg._attn_implementation}, "
-            f"experts {getattr(base.config, '_experts_implementation', None)}/{getattr(cfg, '_experts_implementation', None)}"
-            " (collect/forward)"
-        )
-        print(
-            f"data: {len(examples)} rows, {tokens} tokens (mean {tokens / len(examples):.0f}, "
-            f"max {max(len(e) for e in examples)}), batch {args.batch_size}, {tokens / padded:.0%} of padded positions"
-        )
-        print(f"threads: {torch.get_num_threads()}, transform: {args.transform}")
 
-        time_collect(base, layers, examples, args, pad_id)  # warm-up
-        time_forward(full, examples, args, pad_id)
-        collect_s, forward_s = [], []
-        for i in range(args.repeats):
-            collect_s.append(time_collect(base, layers, examples, args, pad_id))
-            forward_s.append(time_forward(full, examples, args, pad_id))
-            print(
-                f"repeat {i + 1}: collect {tokens / collect_s[-1]:,.0f} tok/s ({collect_s[-1]:.2f} s), "
-                f"forward {tokens / forward_s[-1]:,.0f} tok/s ({forward_s[-1]:.2f} s)"
-            )
+    tokens = sum(len(e) for e in examples)  # collate pads on the right: exactly the unmasked tokens
+    padded = sum(len(b) * max(len(e) for e in b) for b in batches(examples, args.batch_size))
+    c = full.config
+    print(f"model: {c.model_type}, hidden {c.hidden_size}, vocab {c.vocab_size}, {c.num_hidden_layers} layers", end="")
+    print(f" ({len(layers)} MoE, {c.n_routed_experts} experts, top-{c.num_experts_per_tok})")
+    for name, m in (("collect", base), ("forward", full)):
+        experts = getattr(m.config, "_experts_implementation", None)
+        dtype = next(m.parameters()).dtype
+        print(f"{name}: {type(m).__name__}, {dtype}, attention {m.config._attn_implementation}, experts {experts}")
+    print(
+        f"data: {len(examples)} rows, {tokens} tokens (mean {tokens / len(examples):.0f}, "
+        f"max {max(len(e) for e in examples)}), batch {args.batch_size}, {tokens / padded:.0%} of padded positions"
+    )
+    print(f"threads: {torch.get_num_threads()}, transform: {args.transform}")
 
-    collect_tps = tokens / statistics.median(collect_s)
-    forward_tps = tokens / statistics.median(forward_s)
+    time_collect(base, layers, examples, args, pad_id)  # warm-up
+    time_forward(full, examples, args, pad_id)
+    collect_s, forward_s = [], []
+    for i in range(args.repeats):
+        collect_s.append(time_collect(base, layers, examples, args, pad_id))
+        forward_s.append(time_forward(full, examples, args, pad_id))
+        print(
+            f"repeat {i + 1}: collect {tokens / collect_s[-1]:,.0f} tok/s ({collect_s[-1]:.2f} s), "
+            f"forward {tokens / forward_s[-1]:,.0f} tok/s ({forward_s[-1]:.2f} s)"
+        )
+
+    collect_tps, forward_tps = tokens / statistics.median(collect_s), tokens / statistics.median(forward_s)
     ratio = collect_tps / forward_tps
     print(f"median: collect {collect_tps:,.0f} tok/s, forward {forward_tps:,.0f} tok/s, ratio {ratio:.2f}")
     print(f"target collect/forward >= 1.0: {'holds' if ratio >= 1.0 else 'MISSED'}")
-    result = {
-        "collect_tokens_per_s": round(collect_tps, 1),
-        "forward_tokens_per_s": round(forward_tps, 1),
-        "ratio": round(ratio, 4),
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.hidden_size,
-        "rows": len(examples),
-        "tokens": tokens,
-        "batch_size": args.batch_size,
-        "repeats": args.repeats,
-        "max_seq_len": args.max_seq_len,
-        "threads": torch.get_num_threads(),
-        "transform": args.transform,
-    }
+    result = {"collect_tokens_per_s": round(collect_tps, 1), "forward_tokens_per_s": round(forward_tps, 1)}
+    result |= {"ratio": round(ratio, 4), "vocab_size": args.vocab_size, "hidden_size": args.hidden_size}
+    result |= {"rows": len(examples), "tokens": tokens, "batch_size": args.batch_size, "repeats": args.repeats}
+    result |= {"max_seq_len": args.max_seq_len, "threads": torch.get_num_threads(), "transform": args.transform}
     print(json.dumps(result))
 
 

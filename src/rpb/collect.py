@@ -90,7 +90,7 @@ class SpanAccumulator:
                     f"router {self.layers[pos].name} returned {logits.shape[0]} rows for a {B}x{T} batch"
                 )
             probs_BTE = router_probs(logits.detach(), self.transform).view(B, T, -1)
-            self._sums[pos], _ = span_sums(probs_BTE, self.span_BT)
+            self._sums[pos] = span_sums(probs_BTE, self.span_BT)
 
         return hook
 
@@ -146,7 +146,8 @@ def collect_prior(
             sums_BSLE = sums_LBSE.permute(1, 2, 0, 3)
             counts_BS = span_counts(b["span_ids"])
             n = len(batch)
-            prior[row : row + n] = sums_BSLE / counts_BS[:, :, None, None].clamp_min(1)
+            # eq. 2; every span has tokens (load_labelled rejects rows where one has none)
+            prior[row : row + n] = sums_BSLE / counts_BS[:, :, None, None]
             counts[row : row + n] = counts_BS
             row += n
             total_tokens += int(b["attention_mask"].sum())

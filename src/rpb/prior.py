@@ -42,16 +42,14 @@ def router_probs(logits_TE: torch.Tensor, transform: str) -> torch.Tensor:
     raise ValueError(f"unknown router transform {transform!r}; choose one of {ROUTER_TRANSFORMS}")
 
 
-def span_sums(probs_BTE: torch.Tensor, span_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row, per-span sums of token probabilities, and the token counts behind them.
+def span_sums(probs_BTE: torch.Tensor, span_BT: torch.Tensor) -> torch.Tensor:
+    """Per-row, per-span sums of token probabilities: ``sums_BSE`` (float32).
 
     ``span_BT`` holds SPAN_Q / SPAN_A for content tokens and STRUCTURAL (-1) for the
     rest, padding included, which therefore never counts.
-    Returns ``(sums_BSE, counts_BS)``; both float32 / int64.
     """
     onehot_BTS = torch.stack([span_BT == s for s in range(NUM_SPANS)], dim=-1).to(torch.float32)
-    sums_BSE = torch.einsum("bts,bte->bse", onehot_BTS, probs_BTE.float())
-    return sums_BSE, span_counts(span_BT)
+    return torch.einsum("bts,bte->bse", onehot_BTS, probs_BTE.float())
 
 
 def span_counts(span_BT: torch.Tensor) -> torch.Tensor:
@@ -65,8 +63,8 @@ def span_means(probs_BTE: torch.Tensor, span_BT: torch.Tensor) -> tuple[torch.Te
     Returns ``(pi_BSE, counts_BS)``. A span without tokens gets NaN, which the
     data layer makes impossible (such rows are rejected before any compute).
     """
-    sums_BSE, counts_BS = span_sums(probs_BTE, span_BT)
-    return sums_BSE / counts_BS.unsqueeze(-1).to(torch.float32), counts_BS
+    counts_BS = span_counts(span_BT)
+    return span_sums(probs_BTE, span_BT) / counts_BS.unsqueeze(-1).to(torch.float32), counts_BS
 
 
 def clip_prior(pi_E: torch.Tensor, eps: float = DEFAULT_EPS, clip: float = DEFAULT_CLIP) -> torch.Tensor:
