@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from rpb.adapters import find_moe_layers, get_adapter
+from rpb.adapters import find_moe_layers
 from rpb.collect import batches, collect_prior, load_base_model, load_tokenizer
 from rpb.data import collate, load_labelled
 from rpb.toy.data import conversations, write_jsonl
@@ -106,8 +106,8 @@ def main() -> None:
         tokenizer = load_tokenizer(str(model_dir))
         examples = load_labelled(data_path, tokenizer, args.max_seq_len).examples
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        base = load_base_model(str(model_dir))
-        layers = find_moe_layers(base, get_adapter(base.config.model_type))
+        base, facts = load_base_model(str(model_dir))
+        layers = find_moe_layers(base, facts)
         full = AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
     tokens = sum(len(e) for e in examples)  # collate pads on the right: exactly the unmasked tokens

@@ -168,3 +168,27 @@ def test_render_reports_bad_rows(save_tiny, tmp_path, capsys):
     assert f"{raw}:2: malformed-json" in err
     assert f"{raw}:3: non-string-field [question]" in err
     assert not out.exists()
+
+
+def test_adapter_routes_an_unregistered_model_type(save_tiny, data, tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from rpb.adapters import ADAPTERS
+
+    monkeypatch.setitem(ADAPTERS, "mixtral_like", dataclasses.replace(ADAPTERS["mixtral"], model_type="mixtral_like"))
+    monkeypatch.delitem(ADAPTERS, "mixtral")
+    out = tmp_path / "p.safetensors"
+    assert main(collect_args(save_tiny("mixtral"), data, out, "--no-progress")) == 2
+    assert "no router adapter for model_type 'mixtral'" in capsys.readouterr().err
+    assert main(collect_args(save_tiny("mixtral"), data, out, "--no-progress", "--adapter", "mixtral_like")) == 0
+    meta = artifact_module.read_metadata(out)
+    assert (meta["model_type"], meta["adapter"]) == ("mixtral", "mixtral_like")
+
+
+def test_bfloat16_weights_keep_router_math_in_float32(save_tiny, data, tmp_path):
+    model = str(save_tiny("qwen3_moe"))
+    fp32 = collect(model, data, tmp_path / "a.safetensors", 2, 256, dtype="float32", progress=False)
+    bf16 = collect(model, data, tmp_path / "b.safetensors", 2, 256, dtype="bfloat16", progress=False)
+    assert bf16.prior_qa.dtype == torch.float32 and bf16.metadata["dtype"] == "bfloat16"
+    torch.testing.assert_close(bf16.prior_qa.sum(-1), torch.ones_like(bf16.prior_qa.sum(-1)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(bf16.prior_qa, fp32.prior_qa, atol=3e-2, rtol=0)  # bf16 activations, same routing

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 import rpb
-from rpb.adapters import MoELayer, RouterFacts, find_moe_layers, get_adapter
+from rpb.adapters import MoELayer, find_moe_layers, get_adapter
 from rpb.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION, PriorArtifact, save_artifact
 from rpb.data import ChatTemplate, Example, collate, load_labelled
 from rpb.data.jsonl import row_digests
@@ -38,12 +38,13 @@ def config_sha256(config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def load_base_model(model_id: str, dtype: str = "float32"):
-    """The base model (decoder stack, no LM head) through transformers' native class.
+def load_base_model(model_id: str, dtype: str = "float32", adapter: str | None = None):
+    """The base model (decoder stack, no LM head) through transformers' native class, and its router facts.
 
     Remote modeling code is never run: ``trust_remote_code`` is False for the model
     even where the checkpoint ships its own code (Moonlight does); the config's
-    ``model_type`` selects the native implementation.
+    ``model_type`` selects the native implementation. ``adapter`` names the
+    model_type whose router facts to use (default: the model's own).
     """
     from transformers import AutoConfig, AutoModel
     from transformers.utils import logging as hf_logging
@@ -51,14 +52,14 @@ def load_base_model(model_id: str, dtype: str = "float32"):
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     config = AutoConfig.from_pretrained(model_id, trust_remote_code=False)
-    get_adapter(config.model_type)  # fail on unsupported families before loading weights
+    facts = get_adapter(adapter or config.model_type)  # fail on unsupported families before loading weights
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the LM head is left out on purpose; do not report it
     try:
         model = AutoModel.from_pretrained(model_id, config=config, dtype=DTYPES[dtype], trust_remote_code=False)
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model.eval()
+    return model.eval(), facts
 
 
 def load_tokenizer(tokenizer_id: str, trust_remote_code: bool = False):
@@ -185,8 +186,7 @@ def collect(
     tokenizer = load_tokenizer(tokenizer_id, trust_remote_code)
     data = load_labelled(data_jsonl, tokenizer, max_seq_len)  # raises DataError before any compute
 
-    model = load_base_model(model_id, dtype)
-    facts: RouterFacts = get_adapter(adapter or model.config.model_type)
+    model, facts = load_base_model(model_id, dtype, adapter)
     model_top_k = getattr(model.config, facts.top_k_config)
     if top_k != model_top_k:
         raise ValueError(f"--top-k {top_k} does not match the model's own top-k ({facts.top_k_config}={model_top_k})")
