@@ -192,3 +192,12 @@ def test_bfloat16_weights_keep_router_math_in_float32(save_tiny, data, tmp_path)
     assert bf16.prior_qa.dtype == torch.float32 and bf16.metadata["dtype"] == "bfloat16"
     torch.testing.assert_close(bf16.prior_qa.sum(-1), torch.ones_like(bf16.prior_qa.sum(-1)), atol=1e-5, rtol=0)
     torch.testing.assert_close(bf16.prior_qa, fp32.prior_qa, atol=3e-2, rtol=0)  # bf16 activations, same routing
+
+
+def test_routers_fingerprint_tells_checkpoints_apart_and_ignores_load_dtype(save_tiny, data, tmp_path):
+    a = collect(str(save_tiny("moonlight")), data, tmp_path / "a.safetensors", 2, 256, progress=False)
+    b = collect(str(save_tiny("moonlight")), data, tmp_path / "b.safetensors", 2, 256, dtype="bfloat16", progress=False)
+    c = collect(str(save_tiny("moonlight", seed=1)), data, tmp_path / "c.safetensors", 2, 256, progress=False)
+    assert a.metadata["routers_sha256"] == b.metadata["routers_sha256"]
+    assert a.metadata["model_config_sha256"] == c.metadata["model_config_sha256"]
+    assert a.metadata["routers_sha256"] != c.metadata["routers_sha256"]

@@ -36,6 +36,7 @@ REQUIRED_METADATA: dict[str, type | tuple[type, ...]] = {
     "model": str,
     "model_type": str,
     "model_config_sha256": str,
+    "routers_sha256": str,
     "tokenizer": str,
     "chat_template_sha256": str,
     "router_transform": str,

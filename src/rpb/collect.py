@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 import rpb
-from rpb.adapters import MoELayer, find_moe_layers, get_adapter
+from rpb.adapters import MoELayer, find_moe_layers, get_adapter, routers_sha256
 from rpb.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION, PriorArtifact, save_artifact
 from rpb.data import ChatTemplate, Example, collate, load_labelled
 from rpb.data.jsonl import row_digests
@@ -203,6 +203,7 @@ def collect(
         "model_type": model.config.model_type,
         "adapter": facts.model_type,
         "model_config_sha256": config_sha256(model.config),
+        "routers_sha256": routers_sha256(layers, facts),
         "tokenizer": str(tokenizer_id),
         "chat_template_sha256": ChatTemplate(tokenizer).sha256,
         "router_transform": router_transform,

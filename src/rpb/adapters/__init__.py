@@ -8,6 +8,7 @@ from rpb.adapters.hf import (
     find_moe_layers,
     get_adapter,
     register_adapter,
+    routers_sha256,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "find_moe_layers",
     "get_adapter",
     "register_adapter",
+    "routers_sha256",
 ]

@@ -15,9 +15,11 @@ describe the model's own routing pipeline, which the training anchors reproduce.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
@@ -106,6 +108,23 @@ class MoELayer:
     layer_index: int
     name: str
     router: nn.Module
+
+
+def routers_sha256(layers: list[MoELayer], facts: RouterFacts) -> str:
+    """A fingerprint of the base routing itself: every router weight and expert bias, in layer order.
+
+    Hashed as bfloat16 so that the same checkpoint loaded in float32 or bfloat16 gives the
+    same fingerprint (bf16 rounding of the same source values is deterministic); a config
+    hash cannot tell two checkpoints of one architecture apart, this can.
+    """
+    h = hashlib.sha256()
+    for layer in layers:
+        tensors = [layer.router.weight]
+        if facts.expert_bias is not None:
+            tensors.append(getattr(layer.router, facts.expert_bias))
+        for t in tensors:
+            h.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
 
 
 def find_moe_layers(model: nn.Module, facts: RouterFacts) -> list[MoELayer]:
