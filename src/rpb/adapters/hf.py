@@ -34,15 +34,26 @@ class RouterFacts:
     router_path: str = r"(?:^|\.)layers\.(\d+)\.mlp\.gate$"
     #: router buffer added to scores for selection only (DeepSeek-V3 / Moonlight)
     expert_bias: str | None = None
-    #: group-limited top-k: None, "top2-sum" (DeepSeek-V3) or "max" (DeepSeek-V2)
+    #: group-limited top-k: None, "top2-sum" (DeepSeek-V3: groups ranked by the sum of their two
+    #: best biased scores, losers masked to -inf) or "max" (DeepSeek-V2: by their best score,
+    #: losers masked to 0)
     group_scoring: str | None = None
-    #: config attribute that switches group-limited routing on (DeepSeek-V2's topk_method)
+    #: router attributes holding the number of groups and of groups kept
+    group_attrs: tuple[str, str] = ("num_group", "topk_group")
+    #: (router attribute, value) that switches group-limited routing on (DeepSeek-V2's topk_method)
     group_switch: tuple[str, str] | None = None
     #: whether the top-k weights are renormalised: True, False, or the router attribute that says
     normalize: bool | str = "norm_topk_prob"
+    #: added to the denominator of the renormalisation (DeepSeek-V3 adds 1e-20)
+    normalize_eps: float = 0.0
     #: router attribute holding the scaling factor of the combine weights (None = 1)
     scaling_attr: str | None = None
-    #: config attribute with the model's top-k
+    #: whether the model's top-k returns its experts sorted (torch.topk's ``sorted``)
+    topk_sorted: bool = True
+    #: whether the combine weights are cast back to the logits' dtype (Qwen, OLMoE) or stay float32
+    weights_in_logits_dtype: bool = False
+    #: router attribute with the top-k, and config attribute with the same
+    top_k_attr: str = "top_k"
     top_k_config: str = "num_experts_per_tok"
 
 
@@ -66,7 +77,9 @@ for _facts in (
         "sigmoid",
         expert_bias="e_score_correction_bias",
         group_scoring="top2-sum",
+        normalize_eps=1e-20,
         scaling_attr="routed_scaling_factor",
+        topk_sorted=False,
     ),
     RouterFacts(
         "deepseek_v2",
@@ -76,10 +89,11 @@ for _facts in (
         group_switch=("topk_method", "group_limited_greedy"),
         normalize=False,  # DeepSeek-V2 never renormalises its top-k weights
         scaling_attr="routed_scaling_factor",
+        topk_sorted=False,
     ),
-    RouterFacts("qwen3_moe", "Qwen3MoeTopKRouter", "softmax"),
-    RouterFacts("qwen2_moe", "Qwen2MoeTopKRouter", "softmax"),
-    RouterFacts("olmoe", "OlmoeTopKRouter", "softmax"),
+    RouterFacts("qwen3_moe", "Qwen3MoeTopKRouter", "softmax", weights_in_logits_dtype=True),
+    RouterFacts("qwen2_moe", "Qwen2MoeTopKRouter", "softmax", weights_in_logits_dtype=True),
+    RouterFacts("olmoe", "OlmoeTopKRouter", "softmax", weights_in_logits_dtype=True),
     RouterFacts("mixtral", "MixtralTopKRouter", "softmax", normalize=True),
 ):
     register_adapter(_facts)

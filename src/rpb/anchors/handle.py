@@ -1,0 +1,279 @@
+"""Installing an anchor into a Hugging Face MoE model, reversibly.
+
+Every router gets one forward hook. In train mode the hook may replace the router's
+``(logits, gates, topk_ids)`` output with a biased or forced selection (gates always from
+the unbiased logits) and records the anchor's loss term for the layer; in eval mode, or
+with no step context set, it returns the native output untouched. Hooks leave module
+identities and parameter names alone, so a checkpoint saved while installed is a plain
+HF checkpoint; ``remove()`` drops the hooks and restores what was changed
+(``requires_grad`` for router-freeze, ``output_router_logits``).
+
+Usage inside any training loop::
+
+    handle = install_anchor(model, AnchorConfig(method="rpb"), prior=artifact.prior_qa)
+    with handle.step(sample_index_BT, span_BT, attention_mask_BT):
+        loss = model(**batch).loss + handle.loss()
+        loss.backward()          # inside the block: recomputation sees the same bias
+    handle.remove()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from rpb import losses
+from rpb.adapters import MoELayer, RouterFacts, find_moe_layers, get_adapter
+from rpb.anchors.context import TokenContext
+from rpb.anchors.methods import Method, get_method
+from rpb.anchors.prior_routing import PriorRouting
+from rpb.prior import ROUTER_TRANSFORMS
+from rpb.routing import RouterSpec, combine_weights, route
+
+
+@dataclass
+class AnchorConfig:
+    """``anchor.*`` of a run. ``lambda_`` and ``lbl_coef`` have no defaults: the methods that use them require them."""
+
+    method: str = "rpb"
+    beta: float = 1.0
+    eps: float = 0.05
+    c: float = 5.0
+    lambda_: float | None = None
+    lbl_coef: float | None = None
+    shuffle_seed: int = 0
+    router_transform: str = "softmax"
+
+    def problems(self) -> list[str]:
+        """Every problem with this configuration (empty when valid)."""
+        out = []
+        try:
+            method = get_method(self.method)
+        except ValueError as e:
+            return [f"anchor.method: {e}"]
+        if method.coefficient == "lambda" and self.lambda_ is None:
+            out.append(f"anchor.lambda: required by method {self.method!r} (no default)")
+        if method.coefficient == "lbl_coef" and self.lbl_coef is None:
+            out.append(f"anchor.lbl_coef: required by method {self.method!r} (no default)")
+        if not 0 < self.eps <= 1:
+            out.append(f"anchor.eps: must be in (0, 1], got {self.eps}")
+        if self.c < 1:
+            out.append(f"anchor.c: must be >= 1, got {self.c}")
+        if self.beta < 0:
+            out.append(f"anchor.beta: must be >= 0, got {self.beta}")
+        if self.router_transform not in ROUTER_TRANSFORMS:
+            out.append(f"anchor.router_transform: one of {ROUTER_TRANSFORMS}, got {self.router_transform!r}")
+        return out
+
+
+@dataclass
+class _Layer:
+    moe: MoELayer
+    spec: RouterSpec
+    expert_bias_E: torch.Tensor | None
+    base_weight_EH: torch.Tensor | None = None  # frozen float32 copy, kept unsharded
+
+
+@dataclass
+class LayerStats:
+    """Per-layer routing statistics of the last recorded step."""
+
+    tokens: int = 0
+    changed: int = 0  # tokens whose selected set differs from the native one
+    load_E: torch.Tensor | None = None
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / max(self.tokens, 1)
+
+    @property
+    def utilization_entropy_bits(self) -> float:
+        p = self.load_E / self.load_E.sum().clamp_min(1)
+        return float(-(p * torch.log2(p.clamp_min(1e-30))).sum())
+
+
+@dataclass
+class AnchorHandle:
+    model: nn.Module
+    config: AnchorConfig
+    method: Method
+    facts: RouterFacts
+    layers: list[_Layer]
+    prior: PriorRouting | None = None
+    record_stats: bool = False
+    _context: TokenContext | None = None
+    _terms: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    _hooks: list = field(default_factory=list)
+    _restore: list = field(default_factory=list)
+
+    # ---- step context --------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, sample_BT: torch.Tensor, span_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None):
+        """Set the per-token context for one step; keep the block open until backward is done."""
+        self._context = TokenContext.from_batch(sample_BT, span_BT, attention_mask_BT)
+        self._terms = {}
+        try:
+            yield self._context
+        finally:
+            self._context = None
+            self._terms = {}
+
+    def loss(self) -> torch.Tensor:
+        """The anchor's loss term for the last forward (coefficient applied; 0 for none)."""
+        if not self._terms:
+            return torch.zeros((), device=self._device())
+        coef = self.config.lambda_ if self.method.coefficient == "lambda" else self.config.lbl_coef
+        return coef * torch.stack([self._terms[i] for i in sorted(self._terms)]).mean()
+
+    def _device(self) -> torch.device:
+        return self.layers[0].moe.router.weight.device
+
+    # ---- the hook ------------------------------------------------------------------
+    def _hook(self, pos: int):
+        layer = self.layers[pos]
+
+        idle = self.prior is None and self.method.loss is None
+
+        def hook(module, args, output):
+            ctx = self._context
+            if not module.training or ctx is None or (idle and not self.record_stats):
+                return None
+            logits_TE, native_gates_TK, native_ids_TK = output
+            if logits_TE.shape[0] != ctx.num_tokens:
+                raise RuntimeError(
+                    f"router {layer.moe.name} saw {logits_TE.shape[0]} tokens but the step context holds "
+                    f"{ctx.num_tokens}; pass the batch's own sample index and span tensors"
+                )
+            # a forward recomputed during backward (checkpointing) routes alike but records nothing twice
+            first_call = ("recorded", pos) not in ctx.cache
+            ctx.cache[("recorded", pos)] = True
+            valid_T = ctx.valid_T.to(logits_TE.device)
+            if first_call and self.method.loss is not None:
+                self._terms[pos] = self._loss_term(layer, module, args[0], logits_TE, valid_T)
+            gates_TK, ids_TK = native_gates_TK, native_ids_TK
+            if self.prior is not None:
+                gates_TK, ids_TK = self._prior_selection(pos, logits_TE, ctx, native_gates_TK, native_ids_TK)
+            if first_call and self.record_stats:
+                self._record(pos, ids_TK, native_ids_TK, valid_T)
+            if self.prior is None:
+                return None
+            return logits_TE, gates_TK, ids_TK
+
+        return hook
+
+    def _prior_selection(self, pos: int, logits_TE, ctx, native_gates_TK, native_ids_TK):
+        layer = self.layers[pos]
+        tables = self.prior.tables(ctx, logits_TE.device)
+        content_T1 = tables.content_T[:, None]
+        if tables.bias_PLE is not None:
+            bias_TE = tables.bias_PLE[tables.pair_T, pos] * content_T1
+            gates_TK, ids_TK = route(logits_TE, layer.spec, bias_TE.to(logits_TE.dtype), layer.expert_bias_E)
+        else:
+            ids_TK = tables.topk_PLK[tables.pair_T, pos]
+            gates_TK = combine_weights(logits_TE, ids_TK, layer.spec)
+        # structural and padding tokens keep exactly what the native router chose and weighted
+        ids_TK = torch.where(content_T1, ids_TK, native_ids_TK)
+        gates_TK = torch.where(content_T1, gates_TK.to(native_gates_TK.dtype), native_gates_TK)
+        return gates_TK, ids_TK
+
+    def _loss_term(self, layer: _Layer, module, hidden, logits_TE, valid_T) -> torch.Tensor:
+        kind, spec = self.method.loss, layer.spec
+        if kind == "lbl":
+            fn = losses.load_balancing_sigmoid if spec.score_function == "sigmoid" else losses.load_balancing_softmax
+            return fn(logits_TE, spec.top_k, valid_T)
+        if kind == "router-l2":
+            return losses.router_l2(module.weight, layer.base_weight_EH)
+        hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()
+        base_logits_TE = nn.functional.linear(hidden_TH, layer.base_weight_EH)
+        if kind == "kl-to-base":
+            return losses.kl_to_base(logits_TE, base_logits_TE, valid_T, self.config.router_transform)
+        return losses.logit_l2(logits_TE, base_logits_TE, valid_T)
+
+    @torch.no_grad()
+    def _record(self, pos: int, ids_TK, native_ids_TK, valid_T) -> None:
+        E = self.layers[pos].spec.num_experts
+        ids, native = ids_TK[valid_T], native_ids_TK[valid_T]
+        changed = (ids.sort(dim=-1).values != native.sort(dim=-1).values).any(dim=-1)
+        load_E = torch.bincount(ids.reshape(-1), minlength=E).float().cpu()
+        prev = self.stats.get(pos) or LayerStats(load_E=torch.zeros(E))
+        self.stats[pos] = LayerStats(prev.tokens + len(ids), prev.changed + int(changed.sum()), prev.load_E + load_E)
+
+    def reset_stats(self) -> dict:
+        """Return the statistics accumulated since the last reset, and start afresh."""
+        out, self.stats = self.stats, {}
+        return out
+
+    # ---- removal -------------------------------------------------------------------
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for restore in reversed(self._restore):
+            restore()
+        self._restore = []
+
+
+def install_anchor(
+    model: nn.Module,
+    config: AnchorConfig,
+    prior: torch.Tensor | None = None,
+    sigma_LE: torch.Tensor | None = None,
+    adapter: str | None = None,
+    record_stats: bool = False,
+) -> AnchorHandle:
+    """Install ``config.method`` into every router of ``model``; returns the handle.
+
+    ``prior`` is ``pi`` [N, 2, L, E] (required by the prior-based methods; check it first
+    with ``rpb.anchors.verify_prior``); ``sigma_LE`` the per-layer expert permutation of
+    the shuffled controls (see ``rpb.anchors.controls``).
+    """
+    problems = config.problems()
+    if problems:
+        raise ValueError("invalid anchor configuration:\n  " + "\n  ".join(problems))
+    method = get_method(config.method)
+    facts = get_adapter(adapter or model.config.model_type)
+    moe_layers = find_moe_layers(model, facts)
+    layers = []
+    for m in moe_layers:
+        bias = getattr(m.router, facts.expert_bias) if facts.expert_bias else None
+        base = m.router.weight.detach().float().clone() if method.needs_base_router else None
+        layers.append(_Layer(m, RouterSpec.from_router(m.router, facts), bias, base))
+
+    routing = None
+    if method.needs_prior:
+        if prior is None:
+            raise ValueError(f"method {method.name!r} needs the prior (pi, [samples, 2, MoE layers, experts])")
+        if prior.dim() != 4 or prior.shape[2:] != (len(layers), layers[0].spec.num_experts):
+            raise ValueError(
+                f"prior of shape {tuple(prior.shape)} does not fit the model's {len(layers)} MoE layers x "
+                f"{layers[0].spec.num_experts} experts"
+            )
+        if method.shuffle is not None and sigma_LE is None:
+            raise ValueError(f"method {method.name!r} needs sigma_LE, the per-layer expert permutation")
+        routing = PriorRouting(
+            prior,
+            method.selection,
+            top_k=layers[0].spec.top_k,
+            beta=config.beta,
+            eps=config.eps,
+            clip=config.c,
+            sigma_LE=sigma_LE if method.shuffle else None,
+        )
+
+    handle = AnchorHandle(model, config, method, facts, layers, routing, record_stats)
+    if hasattr(model.config, "output_router_logits"):
+        # no native auxiliary loss under any method: lbl computes its own
+        old = model.config.output_router_logits
+        model.config.output_router_logits = False
+        handle._restore.append(lambda: setattr(model.config, "output_router_logits", old))
+    if method.freeze_router:
+        for layer in layers:
+            w = layer.moe.router.weight
+            handle._restore.append(lambda w=w, flag=w.requires_grad: w.requires_grad_(flag))
+            w.requires_grad_(False)
+    handle._hooks = [lay.moe.router.register_forward_hook(handle._hook(i)) for i, lay in enumerate(layers)]
+    return handle

@@ -1,0 +1,70 @@
+"""Checking a prior against the run about to use it: one error naming every mismatched field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rpb.artifact import ROUTED_ALL_POSITIONS
+
+
+class PriorMismatchError(ValueError):
+    def __init__(self, path: str, mismatches: list[tuple[str, object, object]]):
+        self.mismatches = mismatches
+        lines = [
+            f"  {name}: the prior has {expected!r}, this run has {found!r}" for name, expected, found in mismatches
+        ]
+        super().__init__(
+            f"the prior {path} does not belong to this run ({len(mismatches)} mismatched field(s)):\n"
+            + "\n".join(lines)
+            + "\nrecollect it with `rpb collect` on this model and data file"
+        )
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the training run sees, in the prior metadata's terms."""
+
+    data_sha256: str
+    num_rows: int
+    model: str
+    routers_sha256: str
+    tokenizer: str
+    chat_template_sha256: str
+    top_k: int
+    max_seq_len: int
+    moe_layers: list
+    num_experts: int
+    router_transform: str | None = None  # None: whatever the prior used
+    routed_positions: str = ROUTED_ALL_POSITIONS
+
+
+def verify_prior(meta: dict, run: RunFacts, path: str = "prior") -> None:
+    """Raise PriorMismatchError naming every field where ``meta`` and ``run`` disagree.
+
+    Model and tokenizer identity are their routers' fingerprint and their chat template's
+    hash: a checkpoint or tokenizer that moved to another path is the same, one with the
+    same config but other weights is not. Their ids are reported alongside.
+    """
+    mismatches: list[tuple[str, object, object]] = []
+
+    def check(name: str, expected, found):
+        if expected != found:
+            mismatches.append((name, expected, found))
+
+    check("data_sha256", meta.get("data_sha256"), run.data_sha256)
+    check("num_rows", meta.get("num_rows"), run.num_rows)
+    if meta.get("routers_sha256") != run.routers_sha256:
+        mismatches.append(("model", meta.get("model"), run.model))
+        check("routers_sha256", meta.get("routers_sha256"), run.routers_sha256)
+    if meta.get("chat_template_sha256") != run.chat_template_sha256:
+        mismatches.append(("tokenizer", meta.get("tokenizer"), run.tokenizer))
+        check("chat_template_sha256", meta.get("chat_template_sha256"), run.chat_template_sha256)
+    if run.router_transform is not None:
+        check("router_transform", meta.get("router_transform"), run.router_transform)
+    check("top_k", meta.get("top_k"), run.top_k)
+    check("max_seq_len", meta.get("max_seq_len"), run.max_seq_len)
+    check("routed_positions", meta.get("routed_positions"), run.routed_positions)
+    check("moe_layers", meta.get("moe_layers"), list(run.moe_layers))
+    check("num_experts", meta.get("num_experts"), run.num_experts)
+    if mismatches:
+        raise PriorMismatchError(path, mismatches)

@@ -1,0 +1,74 @@
+"""Pure auxiliary-loss math for the comparison anchors (tensor in, tensor out).
+
+Shape legend: T = tokens, E = experts, K = top-k, H = hidden.
+``valid_T`` marks non-padding tokens; every mean below is over valid tokens only.
+Each function returns one layer's term; the anchors average over MoE layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rpb.prior import router_probs
+
+
+def _masked_mean_T(values_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
+    w_T = valid_T.to(values_T.dtype)
+    return (values_T * w_T).sum() / w_T.sum().clamp_min(1)
+
+
+def load_balancing_softmax(logits_TE: torch.Tensor, top_k: int, valid_T: torch.Tensor) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` form for one layer: E * sum_e f_e * P_e.
+
+    P_e is the mean softmax probability of expert e and f_e the mean over tokens of the
+    number of top-k slots expert e takes (so sum_e f_e = k): a perfectly balanced router
+    scores k. Megatron's form (below) divides f by k and scores 1: the two differ by a
+    factor k, which is why ``anchor.lbl_coef`` is not portable between them.
+    """
+    probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+    topk_ids_TK = torch.topk(probs_TE, top_k, dim=-1).indices
+    slots_TE = torch.zeros_like(probs_TE).scatter_(1, topk_ids_TK, 1.0)
+    w_T1 = valid_T.to(probs_TE.dtype)[:, None]
+    n = w_T1.sum().clamp_min(1)
+    f_E = (slots_TE * w_T1).sum(0) / n
+    P_E = (probs_TE * w_T1).sum(0) / n
+    return probs_TE.shape[-1] * (f_E * P_E).sum()
+
+
+def load_balancing_sigmoid(logits_TE: torch.Tensor, top_k: int, valid_T: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``aux_loss`` form for sigmoid routers (DeepSeek-V3 / Moonlight), one layer.
+
+    P_e = mean over valid tokens of sigmoid(z_e) / sum_e' sigmoid(z_e'); f_e = share of
+    the plain top-k of those scores (no expert bias, no groups) that goes to e, so
+    sum_e f_e = 1; loss = E * sum_e f_e * P_e (1 when perfectly balanced).
+    """
+    probs_TE = router_probs(logits_TE, "sigmoid-normalized")
+    topk_ids_TK = torch.topk(probs_TE, top_k, dim=-1).indices
+    slots_TE = torch.zeros_like(probs_TE).scatter_(1, topk_ids_TK, 1.0)
+    w_T1 = valid_T.to(probs_TE.dtype)[:, None]
+    n = w_T1.sum().clamp_min(1)
+    f_E = (slots_TE * w_T1).sum(0) / (n * top_k)
+    P_E = (probs_TE * w_T1).sum(0) / n
+    return probs_TE.shape[-1] * (f_E * P_E).sum()
+
+
+def router_l2(weight_EH: torch.Tensor, base_weight_EH: torch.Tensor) -> torch.Tensor:
+    """Eq. 5's per-layer term: ||W_l - W_l^base||_2^2 (squared Frobenius norm)."""
+    return (weight_EH.float() - base_weight_EH).pow(2).sum()
+
+
+def kl_to_base(
+    logits_TE: torch.Tensor, base_logits_TE: torch.Tensor, valid_T: torch.Tensor, transform: str
+) -> torch.Tensor:
+    """Mean over valid tokens of KL(p_base || p_current), both under the prior's router transform."""
+    p_base = router_probs(base_logits_TE, transform)
+    log_p_base = p_base.clamp_min(1e-30).log()
+    log_p = router_probs(logits_TE, transform).clamp_min(1e-30).log()
+    return _masked_mean_T((p_base * (log_p_base - log_p)).sum(-1), valid_T)
+
+
+def logit_l2(logits_TE: torch.Tensor, base_logits_TE: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
+    """Mean over valid tokens of ||(z - mean_e z) - (z_base - mean_e z_base)||^2."""
+    z = logits_TE.float()
+    diff_TE = (z - z.mean(-1, keepdim=True)) - (base_logits_TE - base_logits_TE.mean(-1, keepdim=True))
+    return _masked_mean_T(diff_TE.pow(2).sum(-1), valid_T)

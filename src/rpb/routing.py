@@ -1,0 +1,132 @@
+"""Pure routing math: expert selection on (possibly biased) logits, gates from unbiased ones.
+
+Shape legend for the suffixes on tensor names:
+  T = tokens (the router's flattened batch x positions), E = routed experts,
+  K = top-k, G = expert groups.
+
+The bias is an argument and it only chooses experts (as torchtitan's MoE router takes
+its ``expert_bias``): ``select`` runs the model's own selection pipeline on
+``logits + bias`` -- score function, the frozen expert-correction bias, group-limited
+top-k, top-k -- and ``combine_weights`` computes the gates exactly as the model does,
+from the *unbiased* logits at the chosen experts -- score function, renormalisation,
+scaling; the expert-correction bias never enters a gate. The operations mirror the
+transformers routers one for one (same ops, same order, same ``sorted`` flag), so on
+an all-zero bias they return bit-identical indices and gates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rpb.adapters.hf import RouterFacts
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """One router's selection pipeline, resolved from its family's facts and its own attributes."""
+
+    score_function: str
+    top_k: int
+    num_experts: int
+    group_scoring: str | None = None
+    num_groups: int = 1
+    topk_groups: int = 1
+    normalize: bool = False
+    normalize_eps: float = 0.0
+    scaling: float = 1.0
+    topk_sorted: bool = True
+    weights_in_logits_dtype: bool = False
+
+    @classmethod
+    def from_router(cls, router: nn.Module, facts: RouterFacts) -> RouterSpec:
+        group_scoring = facts.group_scoring
+        if facts.group_switch is not None and getattr(router, facts.group_switch[0], None) != facts.group_switch[1]:
+            group_scoring = None
+        num_groups, topk_groups = (getattr(router, a, None) or 1 for a in facts.group_attrs)
+        normalize = facts.normalize if isinstance(facts.normalize, bool) else bool(getattr(router, facts.normalize))
+        return cls(
+            score_function=facts.score_function,
+            top_k=int(getattr(router, facts.top_k_attr)),
+            num_experts=int(router.weight.shape[0]),
+            group_scoring=group_scoring if num_groups > 1 else None,
+            num_groups=int(num_groups),
+            topk_groups=int(topk_groups),
+            normalize=normalize,
+            normalize_eps=facts.normalize_eps,
+            scaling=float(getattr(router, facts.scaling_attr)) if facts.scaling_attr else 1.0,
+            topk_sorted=facts.topk_sorted,
+            weights_in_logits_dtype=facts.weights_in_logits_dtype,
+        )
+
+
+def scores(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
+    """The router's score function, in float32 (as every supported router computes it)."""
+    if score_function == "sigmoid":
+        return logits_TE.float().sigmoid()
+    return torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+
+
+def _group_mask_TE(choice_TE: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """True for experts in the groups kept by group-limited routing."""
+    per_group = spec.num_experts // spec.num_groups
+    grouped_TGe = choice_TE.view(-1, spec.num_groups, per_group)
+    if spec.group_scoring == "top2-sum":
+        group_scores_TG = grouped_TGe.topk(2, dim=-1)[0].sum(dim=-1)
+    else:  # "max"
+        group_scores_TG = grouped_TGe.max(dim=-1).values
+    group_idx = torch.topk(group_scores_TG, k=spec.topk_groups, dim=-1, sorted=False)[1]
+    group_mask_TG = torch.zeros_like(group_scores_TG).scatter_(1, group_idx, 1)
+    return group_mask_TG.unsqueeze(-1).expand(-1, spec.num_groups, per_group).reshape(-1, spec.num_experts).bool()
+
+
+def select(
+    logits_TE: torch.Tensor,
+    spec: RouterSpec,
+    bias_TE: torch.Tensor | None = None,
+    expert_bias_E: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``topk_ids_TK``: the model's own selection on ``logits + bias`` (bias: selection only)."""
+    z_TE = logits_TE if bias_TE is None else logits_TE + bias_TE
+    choice_TE = scores(z_TE, spec.score_function)
+    if expert_bias_E is not None:
+        choice_TE = choice_TE + expert_bias_E
+    if spec.group_scoring is not None:
+        keep_TE = _group_mask_TE(choice_TE, spec)
+        # DeepSeek-V3 masks losing groups to -inf; DeepSeek-V2 zeroes their (softmax) scores
+        fill = float("-inf") if spec.group_scoring == "top2-sum" else 0.0
+        choice_TE = choice_TE.masked_fill(~keep_TE, fill)
+    return torch.topk(choice_TE, k=spec.top_k, dim=-1, sorted=spec.topk_sorted)[1]
+
+
+def combine_weights(logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """``gates_TK``: the model's gates for the chosen experts, from the unbiased logits."""
+    gates_TK = scores(logits_TE, spec.score_function).gather(1, topk_ids_TK)
+    if spec.normalize:
+        denominator = gates_TK.sum(dim=-1, keepdim=True)
+        if spec.normalize_eps:
+            denominator = denominator + spec.normalize_eps
+        gates_TK = gates_TK / denominator
+    if spec.scaling != 1.0:
+        gates_TK = gates_TK * spec.scaling
+    if spec.weights_in_logits_dtype:
+        gates_TK = gates_TK.to(logits_TE.dtype)
+    return gates_TK
+
+
+def route(
+    logits_TE: torch.Tensor,
+    spec: RouterSpec,
+    bias_TE: torch.Tensor | None = None,
+    expert_bias_E: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gates_TK, topk_ids_TK)``: selection on biased logits, gates from unbiased ones."""
+    topk_ids_TK = select(logits_TE, spec, bias_TE, expert_bias_E)
+    return combine_weights(logits_TE, topk_ids_TK, spec), topk_ids_TK
+
+
+def select_from_prior(prior_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``topk_ids_TK`` of the prior alone (the hard controls: the prior forces the top-k)."""
+    return torch.topk(prior_TE, k=top_k, dim=-1, sorted=False)[1]
