@@ -1,10 +1,12 @@
-"""``rpb``: collect | validate | render | demo. Thin: parses arguments, calls the library."""
+"""``rpb``: collect | validate | render | train | demo. Thin: parses arguments, calls the library."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from rpb.anchors.verify import PriorMismatchError
+from rpb.config import ConfigError
 from rpb.data.errors import DataError
 
 
@@ -59,6 +61,20 @@ def _demo(args) -> int:
     return run_demo(args.out, rows=args.rows, seed=args.seed, progress=not args.no_progress)
 
 
+def _train(args) -> int:
+    from rpb.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        print(f"{args.config or 'command line'}: configuration OK (anchor.method={cfg.anchor.method})")
+        return 0
+    from rpb.train import run_training
+
+    out = run_training(cfg, progress=not args.no_progress)
+    print(f"saved {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rpb", description="Router Prior Bias: soft router anchoring for MoE post-training"
@@ -97,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trust-remote-code", action="store_true")
     r.set_defaults(func=_render)
 
+    t = sub.add_parser("train", help="post-train with an anchor (rpb, lbl, router-l2, kl-to-base, ...)")
+    t.add_argument("--config", help="YAML run configuration")
+    t.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. anchor.beta=0.5")
+    t.add_argument("--dry-run", action="store_true", help="validate the configuration and stop")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=_train)
+
     d = sub.add_parser("demo", help="the embedded default: tiny Moonlight-shaped MoE, synthetic data, prior")
     d.add_argument("--out", default="rpb-demo")
     d.add_argument("--rows", type=int, default=64)
@@ -110,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except DataError as e:
+    except (DataError, ConfigError, PriorMismatchError) as e:
         print(f"rpb {args.command}: {e}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, OSError) as e:

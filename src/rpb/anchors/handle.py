@@ -45,7 +45,10 @@ class AnchorConfig:
     lambda_: float | None = None
     lbl_coef: float | None = None
     shuffle_seed: int = 0
-    router_transform: str = "softmax"
+    #: kl-to-base's distribution; None: the prior's recorded transform (softmax without a prior)
+    router_transform: str | None = None
+    #: Louvain resolution for the base communities of the within-* controls
+    community_resolution: float = 1.0
 
     def problems(self) -> list[str]:
         """Every problem with this configuration (empty when valid)."""
@@ -64,7 +67,7 @@ class AnchorConfig:
             out.append(f"anchor.c: must be >= 1, got {self.c}")
         if self.beta < 0:
             out.append(f"anchor.beta: must be >= 0, got {self.beta}")
-        if self.router_transform not in ROUTER_TRANSFORMS:
+        if self.router_transform is not None and self.router_transform not in ROUTER_TRANSFORMS:
             out.append(f"anchor.router_transform: one of {ROUTER_TRANSFORMS}, got {self.router_transform!r}")
         return out
 
@@ -190,7 +193,8 @@ class AnchorHandle:
         hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()
         base_logits_TE = nn.functional.linear(hidden_TH, layer.base_weight_EH)
         if kind == "kl-to-base":
-            return losses.kl_to_base(logits_TE, base_logits_TE, valid_T, self.config.router_transform)
+            transform = self.config.router_transform or "softmax"
+            return losses.kl_to_base(logits_TE, base_logits_TE, valid_T, transform)
         return losses.logit_l2(logits_TE, base_logits_TE, valid_T)
 
     @torch.no_grad()

@@ -1,0 +1,174 @@
+"""``rpb train`` configuration: YAML + dotted command-line overrides, validated up front.
+
+Every problem (unknown key, wrong type, missing requirement, bad value, missing file) is
+collected and reported in one ``ConfigError`` before anything is loaded or run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from rpb.anchors.handle import AnchorConfig
+from rpb.anchors.methods import get_method
+from rpb.train_data import LOSS_ON
+
+# YAML spells Python's reserved word as "lambda"
+_KEY_ALIASES = {"lambda": "lambda_"}
+
+
+@dataclass
+class TrainSection:
+    max_steps: int = 100
+    seed: int = 42
+    lr: float = 1e-5
+    batch_size: int = 8
+    grad_accum: int = 1
+    loss_on: str = "answer"
+    gradient_checkpointing: bool = False
+    #: None: the prior's max_seq_len (they must agree); required for methods without a prior
+    max_seq_len: int | None = None
+    log_every: int = 10
+    report_to: list[str] = field(default_factory=lambda: ["none"])
+    dtype: str = "float32"
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_scheduler: str = "constant"
+    save: bool = True
+
+
+@dataclass
+class DataSection:
+    seed: int = 42
+    packing: bool = False
+
+
+@dataclass
+class RunConfig:
+    model: str = ""
+    data_jsonl: str = ""
+    output_dir: str = ""
+    prior: str | None = None
+    tokenizer: str | None = None
+    adapter: str | None = None
+    trust_remote_code: bool = False
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+
+
+class ConfigError(ValueError):
+    def __init__(self, source: str, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"{source}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _accepts(tp, value) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, value) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_accepts(item, v) for v in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _build(cls, data: dict, prefix: str, problems: list[str]):
+    if not isinstance(data, dict):
+        problems.append(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        name = _KEY_ALIASES.get(key, key)
+        where = f"{prefix}{key}"
+        if name not in fields:
+            problems.append(f"{where}: unknown key (known: {', '.join(k.rstrip('_') for k in fields)})")
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, f"{where}.", problems)
+        elif _accepts(tp, value):
+            kwargs[name] = float(value) if tp is float else value
+        else:
+            problems.append(f"{where}: expected {getattr(tp, '__name__', str(tp))}, got {value!r}")
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, raw: str, problems: list[str]) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            problems.append(f"override {dotted}: {k} is not a section")
+            return
+    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read ``path`` (YAML), apply ``key.sub=value`` overrides, validate; raise ConfigError listing all problems."""
+    problems: list[str] = []
+    source = str(path) if path else "command line"
+    tree: dict = {}
+    if path is not None:
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(source, [f"cannot read: {e}"]) from None
+    for item in overrides:
+        if "=" not in item:
+            problems.append(f"override {item!r}: expected key.sub=value")
+            continue
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), raw, problems)
+    cfg = _build(RunConfig, tree, "", problems)
+    problems += validate(cfg)
+    if problems:
+        raise ConfigError(source, problems)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> list[str]:
+    out = []
+    for key in ("model", "data_jsonl", "output_dir"):
+        if not getattr(cfg, key):
+            out.append(f"{key}: required")
+    if cfg.data_jsonl and not Path(cfg.data_jsonl).is_file():
+        out.append(f"data_jsonl: {cfg.data_jsonl} does not exist")
+    out += cfg.anchor.problems()
+    try:
+        method = get_method(cfg.anchor.method)
+    except ValueError:
+        method = None
+    if method is not None and method.needs_prior and not cfg.prior:
+        out.append(f"prior: required by anchor.method {method.name!r} (collect one with `rpb collect`)")
+    if cfg.prior and not Path(cfg.prior).is_file():
+        out.append(f"prior: {cfg.prior} does not exist")
+    if not cfg.prior and cfg.train.max_seq_len is None:
+        out.append("train.max_seq_len: required when there is no prior to take it from")
+    t = cfg.train
+    for key in ("max_steps", "batch_size", "grad_accum", "log_every"):
+        if getattr(t, key) < 1:
+            out.append(f"train.{key}: must be >= 1, got {getattr(t, key)}")
+    if t.max_seq_len is not None and t.max_seq_len < 2:
+        out.append(f"train.max_seq_len: must be >= 2, got {t.max_seq_len}")
+    if t.lr <= 0:
+        out.append(f"train.lr: must be > 0, got {t.lr}")
+    if t.loss_on not in LOSS_ON:
+        out.append(f"train.loss_on: one of {LOSS_ON}, got {t.loss_on!r}")
+    if t.dtype not in ("float32", "bfloat16", "float16"):
+        out.append(f"train.dtype: one of float32, bfloat16, float16, got {t.dtype!r}")
+    return out

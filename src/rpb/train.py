@@ -1,0 +1,210 @@
+"""``rpb train``: post-training with an anchor under the Hugging Face Trainer.
+
+``AnchorTrainer`` is usable on its own inside a user's Trainer set-up (or its logic copied
+into TRL's SFTTrainer / an Accelerate loop: set the step context around forward *and*
+backward, add ``handle.loss()``). ``run_training`` is the whole ``rpb train`` job: check
+the prior against the model and data, install the anchor, train, remove the anchor, save
+a plain HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
+from rpb.anchors import AnchorHandle, RunFacts, install_anchor, verify_prior
+from rpb.anchors.controls import base_communities
+from rpb.anchors.methods import get_method
+from rpb.artifact import load_artifact
+from rpb.collect import DTYPES, load_tokenizer
+from rpb.communities import layer_permutations
+from rpb.config import RunConfig
+from rpb.data import ChatTemplate, load_labelled
+from rpb.train_data import AnchorCollator, ExampleDataset
+
+
+class AnchorTrainer(Trainer):
+    """A Trainer whose steps carry the per-token (sample, span) context and add the anchor's loss.
+
+    Batches must hold ``rpb_sample_index`` and ``rpb_span`` (``AnchorCollator`` makes them);
+    they are taken out before the model sees the batch. The context stays set through
+    backward, so gradient checkpointing recomputes with the same bias.
+    """
+
+    def __init__(self, *args, anchor: AnchorHandle, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.anchor = anchor
+        self._anchor_terms: list[float] = []
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        sample_BT = inputs.pop("rpb_sample_index")
+        span_BT = inputs.pop("rpb_span")
+        self.anchor.record_stats = (self.state.global_step + 1) % self.args.logging_steps == 0
+        with self.anchor.step(sample_BT, span_BT, inputs.get("attention_mask")):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        if model.training and self.anchor.method.loss is not None:
+            term = self.anchor.loss()
+            self._anchor_terms.append(float(term.detach()))
+            # the Trainer divides by the accumulation steps only when the model's loss is not
+            # already normalised over the whole accumulated batch; the anchor term is a
+            # per-micro-batch mean and needs that division either way
+            scaled = self.loss_is_scaled_for_ga
+            if scaled is None:
+                scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or bool(
+                    self.compute_loss_func
+                )
+            loss = loss + (term / self.current_gradient_accumulation_steps if scaled else term)
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict, *args, **kwargs):
+        if "loss" in logs:
+            if self._anchor_terms:
+                logs["anchor_loss"] = sum(self._anchor_terms) / len(self._anchor_terms)
+                self._anchor_terms = []
+            for pos, s in sorted(self.anchor.reset_stats().items()):
+                layer = self.anchor.layers[pos].moe.layer_index
+                logs[f"routing/layer{layer}/utilization_entropy_bits"] = round(s.utilization_entropy_bits, 5)
+                logs[f"routing/layer{layer}/bias_changed_fraction"] = round(s.changed_fraction, 5)
+        super().log(logs, *args, **kwargs)
+
+
+class JsonlLog(TrainerCallback):
+    """Every log record, one JSON object per line, in ``output_dir/log.jsonl`` (main process)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+
+
+@dataclass
+class PreparedRun:
+    model: torch.nn.Module
+    tokenizer: object
+    dataset: ExampleDataset
+    collator: AnchorCollator
+    handle: AnchorHandle
+    max_seq_len: int
+    info: dict
+
+
+def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
+    """Load everything, check the prior against it, and install the anchor."""
+    method = get_method(cfg.anchor.method)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
+    artifact = load_artifact(cfg.prior) if cfg.prior else None
+    meta = artifact.metadata if artifact else {}
+    max_seq_len = cfg.train.max_seq_len or meta["max_seq_len"]
+    data = load_labelled(cfg.data_jsonl, tokenizer, max_seq_len)  # every bad row, before any compute
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.train.dtype], trust_remote_code=False)
+    facts = get_adapter(cfg.adapter or model.config.model_type)
+    layers = find_moe_layers(model, facts)
+    if artifact is not None:
+        run = RunFacts(
+            data_sha256=data.sha256,
+            num_rows=data.num_rows,
+            model=cfg.model,
+            routers_sha256=routers_sha256(layers, facts),
+            tokenizer=cfg.tokenizer or cfg.model,
+            chat_template_sha256=ChatTemplate(tokenizer).sha256,
+            top_k=int(getattr(model.config, facts.top_k_config)),
+            max_seq_len=max_seq_len,
+            moe_layers=[m.layer_index for m in layers],
+            num_experts=int(layers[0].router.weight.shape[0]),
+            router_transform=cfg.anchor.router_transform,
+        )
+        verify_prior(meta, run, cfg.prior)
+    anchor_cfg = cfg.anchor
+    if anchor_cfg.router_transform is None and meta:
+        anchor_cfg.router_transform = meta["router_transform"]
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    info: dict = {"method": method.name, "rows": data.num_rows, "max_seq_len": max_seq_len}
+    sigma_LE = None
+    if method.shuffle is not None:
+        labels_LE = None
+        if method.shuffle == "within":
+            comm = base_communities(
+                model, layers, data.examples, cfg.anchor.shuffle_seed, cfg.anchor.community_resolution,
+                cfg.train.batch_size, pad_id, progress,
+            )  # fmt: skip
+            labels_LE = comm.labels_LE
+            info["base_communities"] = {"labels": labels_LE.tolist(), "modularity": comm.modularity_L}
+        num_experts = int(layers[0].router.weight.shape[0])
+        sigma_LE = layer_permutations(labels_LE, num_experts, cfg.anchor.shuffle_seed, method.shuffle, len(layers))
+        info["shuffle"] = {"mode": method.shuffle, "seed": cfg.anchor.shuffle_seed, "sigma": sigma_LE.tolist()}
+    handle = install_anchor(
+        model, anchor_cfg, prior=artifact.prior_qa if artifact else None, sigma_LE=sigma_LE, adapter=cfg.adapter
+    )
+    dataset = ExampleDataset(data.examples, cfg.train.loss_on)
+    collator = AnchorCollator(pad_id=pad_id, pack=cfg.data.packing, max_len=max_seq_len)
+    return PreparedRun(model, tokenizer, dataset, collator, handle, max_seq_len, info)
+
+
+def training_arguments(cfg: RunConfig, progress: bool = True) -> TrainingArguments:
+    t = cfg.train
+    on_cpu = not torch.cuda.is_available()
+    return TrainingArguments(
+        output_dir=cfg.output_dir,
+        max_steps=t.max_steps,
+        per_device_train_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.grad_accum,
+        learning_rate=t.lr,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_steps,
+        lr_scheduler_type=t.lr_scheduler,
+        seed=t.seed,
+        data_seed=cfg.data.seed,
+        logging_steps=t.log_every,
+        report_to=t.report_to,
+        save_strategy="no",
+        remove_unused_columns=False,
+        gradient_checkpointing=t.gradient_checkpointing,
+        # reentrant checkpointing runs the first forward without grad, which would cut the
+        # anchors' loss terms off from the graph
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        use_cpu=on_cpu,
+        ddp_backend="gloo" if on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        dataloader_num_workers=0,
+        disable_tqdm=not progress,
+    )
+
+
+def run_training(cfg: RunConfig, progress: bool = True) -> Path:
+    """The ``rpb train`` job; returns the directory of the saved checkpoint."""
+    prepared = prepare_run(cfg, progress)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = AnchorTrainer(
+        model=prepared.model,
+        args=training_arguments(cfg, progress),
+        train_dataset=prepared.dataset,
+        data_collator=prepared.collator,
+        anchor=prepared.handle,
+        callbacks=[JsonlLog(out / "log.jsonl")],
+    )
+    try:
+        trainer.train()
+    finally:
+        prepared.handle.remove()
+    if cfg.train.save:
+        trainer.save_model(str(out))
+        if trainer.is_world_process_zero():
+            prepared.tokenizer.save_pretrained(out)
+    if trainer.is_world_process_zero():
+        record = {"config": asdict(cfg), **prepared.info}
+        (out / "rpb_run.json").write_text(json.dumps(record, indent=1, default=str))
+    return out
