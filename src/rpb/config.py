@@ -84,6 +84,16 @@ def _accepts(tp, value) -> bool:
     return isinstance(value, tp)
 
 
+def _yaml_float(value):
+    """YAML 1.1 reads ``1e-5`` (no dot) as a string; for float fields, read it as the number it is."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _build(cls, data: dict, prefix: str, problems: list[str]):
     if not isinstance(data, dict):
         problems.append(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
@@ -98,6 +108,7 @@ def _build(cls, data: dict, prefix: str, problems: list[str]):
             problems.append(f"{where}: unknown key (known: {', '.join(k.rstrip('_') for k in fields)})")
             continue
         tp = hints[name]
+        value = _yaml_float(value) if _accepts(tp, 0.5) else value
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, f"{where}.", problems)
         elif _accepts(tp, value):

@@ -1,0 +1,123 @@
+"""``rpb train`` end to end on tiny models: every method trains, beta=0 is sft, priors are checked."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rpb.anchors import METHODS, PriorMismatchError
+from rpb.collect import collect
+from rpb.config import ConfigError, load_config
+from rpb.toy.data import conversations, write_jsonl
+from rpb.toy.models import ARCHITECTURES
+from rpb.train import run_training
+
+ARCHS = ("moonlight", "qwen3_moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, save_tiny):
+    """Per architecture: a saved tiny model, a data file and the prior collected on them."""
+    tmp = tmp_path_factory.mktemp("train")
+    data = write_jsonl(conversations(16, seed=5), tmp / "train.jsonl")
+    out = {}
+    for arch in ARCHS:
+        model = save_tiny(arch)
+        prior = tmp / f"{arch}.safetensors"
+        top_k = ARCHITECTURES[arch][1]["num_experts_per_tok"]
+        collect(str(model), data, prior, top_k=top_k, max_seq_len=192, progress=False)
+        out[arch] = (model, data, prior)
+    return out
+
+
+def train(setup, arch, tmp_path, method, *overrides, steps=3):
+    model, data, prior = setup[arch]
+    cfg = load_config(
+        None,
+        [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"output_dir={tmp_path / method}",
+         f"anchor.method={method}", "anchor.lambda=0.1", "anchor.lbl_coef=0.01", f"train.max_steps={steps}",
+         "train.batch_size=4", "train.lr=1e-3", "train.log_every=1", *overrides],
+    )  # fmt: skip
+    return run_training(cfg, progress=False)
+
+
+def weights(path):
+    return load_file(path / "model.safetensors")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_method_trains(setup, arch, tmp_path):
+    base = weights(setup[arch][0])
+    for method in METHODS:
+        out = train(setup, arch, tmp_path, method)
+        trained = weights(out)
+        assert trained.keys() == base.keys()
+        changed = [k for k in base if not torch.equal(base[k], trained[k])]
+        assert changed, f"{method}: nothing trained"
+        routers = [k for k in base if k.endswith("mlp.gate.weight")]
+        if method == "router-freeze":
+            assert not set(routers) & set(changed)
+        else:
+            assert set(routers) <= set(changed), f"{method}: routers must stay trainable"
+        logs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        assert all(torch.isfinite(torch.tensor(r["loss"])) for r in logs if "loss" in r)
+        if METHODS[method].loss:
+            assert any("anchor_loss" in r for r in logs)
+        if METHODS[method].needs_prior:
+            changed_frac = [v for r in logs for k, v in r.items() if k.endswith("bias_changed_fraction")]
+            assert changed_frac and max(changed_frac) > 0
+        # a plain HF checkpoint: loads without rpb's hooks or code
+        model = AutoModelForCausalLM.from_pretrained(out)
+        assert not any(m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_beta_zero_is_sft_bit_for_bit(setup, arch, tmp_path):
+    sft = weights(train(setup, arch, tmp_path, "sft", steps=5))
+    zero = weights(train(setup, arch, tmp_path / "b0", "rpb", "anchor.beta=0", steps=5))
+    one = weights(train(setup, arch, tmp_path / "b1", "rpb", "anchor.beta=1", steps=5))
+    assert all(torch.equal(sft[k], zero[k]) for k in sft)
+    assert not all(torch.equal(sft[k], one[k]) for k in sft)
+
+
+def test_gradient_checkpointing_run_matches(setup, tmp_path):
+    plain = weights(train(setup, "moonlight", tmp_path / "a", "rpb"))
+    ckpt = weights(train(setup, "moonlight", tmp_path / "b", "rpb", "train.gradient_checkpointing=true"))
+    assert max(float((plain[k] - ckpt[k]).abs().max()) for k in plain) <= 1e-6
+
+
+def test_mismatched_priors_are_refused_naming_each_field(setup, tmp_path, save_tiny):
+    model, data, prior = setup["moonlight"]
+    other_data = write_jsonl(conversations(16, seed=6), tmp_path / "other.jsonl")
+    with pytest.raises(PriorMismatchError) as err:
+        train({"moonlight": (model, other_data, prior)}, "moonlight", tmp_path, "rpb")
+    assert "data_sha256" in str(err.value) and "num_rows" not in str(err.value)
+    _, _, qwen_prior = setup["qwen3_moe"]
+    with pytest.raises(PriorMismatchError) as err:
+        train({"moonlight": (model, data, qwen_prior)}, "moonlight", tmp_path, "rpb")
+    text = str(err.value)
+    for field in ("model", "routers_sha256"):
+        assert f"  {field}: the prior has" in text
+    # the same weights with another top-k in the config
+    other_k = tmp_path / "top4"
+    shutil.copytree(model, other_k)
+    cfg = json.loads((other_k / "config.json").read_text())
+    cfg["num_experts_per_tok"] = 4
+    (other_k / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PriorMismatchError) as err:
+        train({"moonlight": (other_k, data, prior)}, "moonlight", tmp_path, "rpb")
+    assert "  top_k: the prior has 2, this run has 4" in str(err.value)
+    assert "routers_sha256" not in str(err.value)  # the same routers: only top-k differs
+
+
+def test_config_errors_are_listed_together(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["anchor.method=kl-to-base", "anchor.bogus=1", "train.lr=0", "train.loss_on=some"])
+    text = str(err.value)
+    for needle in ("model: required", "anchor.bogus: unknown key", "anchor.lambda: required", "train.lr", "loss_on"):
+        assert needle in text
+    with pytest.raises(ConfigError, match="prior: required by anchor.method 'rpb'"):
+        load_config(None, ["model=m", f"data_jsonl={tmp_path}", "output_dir=o", "anchor.method=rpb"])
