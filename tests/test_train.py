@@ -119,5 +119,5 @@ def test_config_errors_are_listed_together(tmp_path):
     text = str(err.value)
     for needle in ("model: required", "anchor.bogus: unknown key", "anchor.lambda: required", "train.lr", "loss_on"):
         assert needle in text
-    with pytest.raises(ConfigError, match="prior: required by anchor.method 'rpb'"):
+    with pytest.raises(ConfigError, match=r"prior: required by anchor\.method 'rpb'"):
         load_config(None, ["model=m", f"data_jsonl={tmp_path}", "output_dir=o", "anchor.method=rpb"])

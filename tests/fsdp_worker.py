@@ -1,0 +1,65 @@
+"""Run by tests/test_distributed.py under torchrun: install an anchor, shard with FSDP2, one step.
+
+Rank 0 writes the loss, the anchor term and the full router gradients to OUT; then every
+rank leaves with os._exit, because gloo's teardown can abort a finished process.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.fsdp import fully_shard
+
+from rpb.anchors import AnchorConfig, install_anchor
+from rpb.toy.models import build_tiny_model
+
+METHOD, OUT = sys.argv[1], sys.argv[2]
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 107, (4, 12), generator=g)
+    sample = torch.arange(4)[:, None].expand(4, 12).clone()
+    span = torch.tensor([-1, 0, 0, 0, 0, -1, 1, 1, 1, 1, 1, -1]).expand(4, 12).clone()
+    return ids, sample, span
+
+
+def perturb_routers(model):
+    """Move the routers away from their installed base copies, so base-anchored terms are not 0."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_tiny_model("moonlight", 107).train()
+    prior = torch.softmax(torch.randn(4, 2, 2, 8, generator=torch.Generator().manual_seed(1)) * 3, -1)
+    handle = install_anchor(model, AnchorConfig(method=METHOD, lambda_=0.5), prior=prior)
+    perturb_routers(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    ids, sample, span = batch()
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)  # each rank its share of the global batch
+    with handle.step(sample[rows], span[rows], torch.ones_like(ids[rows])):
+        out = model(input_ids=ids[rows], labels=ids[rows])
+        term = handle.loss()
+        (out.loss + term).backward()
+    loss = torch.stack([out.loss.detach(), term.detach()])
+    dist.all_reduce(loss)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
+    if rank == 0:
+        save_file({"loss": loss / world, **{n: g.contiguous() for n, g in grads.items()}}, OUT)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
