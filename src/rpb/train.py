@@ -29,9 +29,11 @@ from rpb.data import ChatTemplate, load_labelled
 from rpb.train_data import AnchorCollator, ExampleDataset
 
 
-class AnchorTrainer(Trainer):
-    """A Trainer whose steps carry the per-token (sample, span) context and add the anchor's loss.
+class AnchorTrainerMixin:
+    """Makes a Trainer's steps carry the per-token (sample, span) context and add the anchor's loss.
 
+    Mix it in before any ``transformers.Trainer`` subclass (TRL's ``SFTTrainer`` too:
+    ``class RPBSFTTrainer(AnchorTrainerMixin, SFTTrainer)``) and pass ``anchor=handle``.
     Batches must hold ``rpb_sample_index`` and ``rpb_span`` (``AnchorCollator`` makes them);
     they are taken out before the model sees the batch. The context stays set through
     backward, so gradient checkpointing recomputes with the same bias.
@@ -75,6 +77,10 @@ class AnchorTrainer(Trainer):
                 logs[f"routing/layer{layer}/utilization_entropy_bits"] = round(s.utilization_entropy_bits, 5)
                 logs[f"routing/layer{layer}/bias_changed_fraction"] = round(s.changed_fraction, 5)
         super().log(logs, *args, **kwargs)
+
+
+class AnchorTrainer(AnchorTrainerMixin, Trainer):
+    """``transformers.Trainer`` with an installed anchor (see ``AnchorTrainerMixin``)."""
 
 
 class JsonlLog(TrainerCallback):
