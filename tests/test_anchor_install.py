@@ -39,16 +39,27 @@ CONTENT_T = (SPAN_BT.reshape(-1) >= 0) & VALID_T
 FOCUS = ["moonlight", "qwen3_moe", "mixtral"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids synchronisation overhead on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def router_modules(model) -> list[torch.nn.Module]:
     """The routers in layer order, found by class name (independently of ``rpb.adapters``)."""
     return [m for m in model.modules() if type(m).__name__.endswith(("TopkRouter", "TopKRouter"))]
 
 
-def setup(arch: str, seed: int = 0):
+def make_case(arch: str, seed: int = 0):
     model = build_tiny_model(arch, vocab_size=VOCAB, seed=seed)
     routers = router_modules(model)
     gen = torch.Generator().manual_seed(seed + 100)
-    pi = torch.softmax(2.0 * torch.randn(NUM_PRIOR_ROWS, 2, len(routers), routers[0].weight.shape[0], generator=gen), -1)
+    pi = torch.softmax(
+        2.0 * torch.randn(NUM_PRIOR_ROWS, 2, len(routers), routers[0].weight.shape[0], generator=gen), -1
+    )
     input_ids = torch.randint(1, VOCAB, SPAN_BT.shape, generator=gen).masked_fill(~MASK_BT.bool(), 0)
     return model, routers, pi, input_ids
 
@@ -144,7 +155,7 @@ def check_prior_routing(routers, tap, pi, selection: str, beta: float = 1.0) -> 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_rpb_selects_on_biased_logits_and_keeps_structural_and_padding_native(arch):
-    model, routers, pi, input_ids = setup(arch)
+    model, routers, pi, input_ids = make_case(arch)
     model.train()
     handle = install_anchor(model, AnchorConfig(method="rpb", beta=1.0), prior=pi, record_stats=True)
     tap = RouterTap(routers)
@@ -170,7 +181,7 @@ def test_rpb_selects_on_biased_logits_and_keeps_structural_and_padding_native(ar
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_rpb_hard_forces_the_prior_top_k(arch):
-    model, routers, pi, input_ids = setup(arch, seed=1)
+    model, routers, pi, input_ids = make_case(arch, seed=1)
     model.train()
     handle = install_anchor(model, AnchorConfig(method="rpb-hard"), prior=pi)
     tap = RouterTap(routers)
@@ -179,14 +190,16 @@ def test_rpb_hard_forces_the_prior_top_k(arch):
     assert check_prior_routing(routers, tap, pi, "hard") > 0
 
 
-def reference_routing_hooks(model, pi, selection: str = "soft", beta: float = 1.0):
+def reference_routing_hooks(model, pi, beta: float = 1.0):
     """Hooks that make an un-anchored model route as the reference says (train mode only)."""
 
     def make(layer):
         def hook(module, args, output):
             logits_TE, gates_TK, ids_TK = output
             z_CE = logits_TE.detach()[CONTENT_T]
-            ref_ids, ref_gates = reference_route(module, z_CE, (beta * hand_bias(prior_rows_T(pi, layer)[CONTENT_T])).float())
+            ref_ids, ref_gates = reference_route(
+                module, z_CE, (beta * hand_bias(prior_rows_T(pi, layer)[CONTENT_T])).float()
+            )
             ids_TK, gates_TK = ids_TK.clone(), gates_TK.detach().clone()
             ids_TK[CONTENT_T] = ref_ids
             gates_TK[CONTENT_T] = ref_gates.to(gates_TK.dtype)
@@ -199,7 +212,7 @@ def reference_routing_hooks(model, pi, selection: str = "soft", beta: float = 1.
 
 @pytest.mark.parametrize("arch", FOCUS)
 def test_rpb_model_output_equals_the_model_routed_by_the_reference(arch):
-    model, _, pi, input_ids = setup(arch, seed=2)
+    model, _, pi, input_ids = make_case(arch, seed=2)
     model.train()
     reference_model = copy.deepcopy(model)
     with torch.no_grad():
@@ -222,7 +235,7 @@ def test_rpb_model_output_equals_the_model_routed_by_the_reference(arch):
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_eval_mode_and_train_mode_without_context_are_native(arch):
-    model, _, pi, input_ids = setup(arch)
+    model, _, pi, input_ids = make_case(arch)
     with torch.no_grad():
         base_eval = forward(model.eval(), input_ids).logits
         base_train = forward(model.train(), input_ids).logits
@@ -241,7 +254,7 @@ def test_eval_mode_and_train_mode_without_context_are_native(arch):
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_remove_restores_the_model(arch):
-    model, routers, pi, input_ids = setup(arch)
+    model, routers, pi, input_ids = make_case(arch)
     handle = install_anchor(model, AnchorConfig(method="rpb", beta=1.0), prior=pi)
     assert all(len(r._forward_hooks) == 1 for r in routers)
     handle.remove()
@@ -272,7 +285,7 @@ def test_remove_restores_the_model(arch):
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_beta_zero_reproduces_native_training_bit_exactly(arch):
-    model, routers, pi, input_ids = setup(arch)
+    model, routers, pi, input_ids = make_case(arch)
     model.train()
     with torch.no_grad():
         base = forward(model, input_ids).logits
@@ -282,7 +295,7 @@ def test_beta_zero_reproduces_native_training_bit_exactly(arch):
         got = forward(model, input_ids).logits
     assert torch.equal(got, base)
     for layer, router in enumerate(routers):
-        hidden_TH, logits_TE, gates_TK, ids_TK = tap.calls[layer][-1]
+        hidden_TH, _, gates_TK, ids_TK = tap.calls[layer][-1]
         _, native_gates, native_ids = native(router, hidden_TH)
         assert torch.equal(ids_TK, native_ids) and torch.equal(gates_TK, native_gates)
 
@@ -290,7 +303,7 @@ def test_beta_zero_reproduces_native_training_bit_exactly(arch):
 @pytest.mark.parametrize("method", ["sft", "lbl", "router-l2", "kl-to-base", "logit-l2", "router-freeze"])
 @pytest.mark.parametrize("arch", ["moonlight", "qwen3_moe"])
 def test_methods_without_a_prior_leave_the_forward_native(arch, method):
-    model, _, _, input_ids = setup(arch)
+    model, _, _, input_ids = make_case(arch)
     model.train()
     with torch.no_grad():
         base = forward(model, input_ids).logits
@@ -316,20 +329,41 @@ def loss_and_grads(model, handle, input_ids, routers):
     return loss.detach(), grads, calls[0]
 
 
-@pytest.mark.parametrize("method", ["rpb", "rpb-hard", "kl-to-base"])
-@pytest.mark.parametrize("arch", FOCUS)
+CHECKPOINT_CASES = [
+    *[(arch, method) for arch in FOCUS for method in ("rpb", "rpb-hard")],
+    *[(arch, "kl-to-base") for arch in FOCUS],
+    *[("qwen3_moe", method) for method in ("lbl", "router-l2", "logit-l2")],
+]
+
+
+def test_reentrant_checkpointing_is_refused_for_loss_anchors():
+    model = build_tiny_model("qwen3_moe", 64).train()
+    handle = install_anchor(model, AnchorConfig(method="router-l2", lambda_=0.1))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    ids = torch.randint(1, 64, (2, 6))
+    zeros = torch.zeros(2, 6, dtype=torch.long)
+    with handle.step(zeros, zeros):
+        model(input_ids=ids, labels=ids)
+        with pytest.raises(RuntimeError, match="use_reentrant"):
+            handle.loss()
+    handle.remove()
+
+
+@pytest.mark.parametrize(("arch", "method"), CHECKPOINT_CASES)
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(arch, method):
-    model, routers, pi, input_ids = setup(arch, seed=3)
+    model, routers, pi, input_ids = make_case(arch, seed=3)
     model.train()
-    handle = install_anchor(model, AnchorConfig(method=method, beta=1.0, lambda_=0.1), prior=pi)
-    if method == "kl-to-base":  # move the routers away from the base so the term and its gradient are not 0
+    config = AnchorConfig(method=method, beta=1.0, lambda_=0.1, lbl_coef=0.01)
+    handle = install_anchor(model, config, prior=pi)
+    anchor_loss = method not in ("rpb", "rpb-hard")
+    if anchor_loss:  # move the routers away from the base so the term and its gradient are not 0
         gen = torch.Generator().manual_seed(5)
         with torch.no_grad():
             for r in routers:
                 r.weight.add_(0.3 * torch.randn(r.weight.shape, generator=gen))
     loss, grads, calls = loss_and_grads(model, handle, input_ids, routers)
     assert calls == len(routers)
-    if method == "kl-to-base":
+    if anchor_loss:
         assert float(handle_loss_of(model, handle, input_ids)) > 1e-4
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -354,7 +388,7 @@ def handle_loss_of(model, handle, input_ids, mask_BT=MASK_BT):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_lbl_softmax_equals_transformers_load_balancing_loss_per_layer(padded):
-    model, routers, _, input_ids = setup("qwen3_moe")
+    model, routers, _, input_ids = make_case("qwen3_moe")
     model.train()
     mask_BT = MASK_BT if padded else torch.ones_like(MASK_BT)
     handle = install_anchor(model, AnchorConfig(method="lbl", lbl_coef=0.01))
@@ -366,9 +400,7 @@ def test_lbl_softmax_equals_transformers_load_balancing_loss_per_layer(padded):
     for layer, router in enumerate(routers):
         logits_TE = tap.calls[layer][-1][1]
         per_layer.append(
-            load_balancing_loss_func(
-                (logits_TE,), router.weight.shape[0], router.top_k, mask_BT if padded else None
-            )
+            load_balancing_loss_func((logits_TE,), router.weight.shape[0], router.top_k, mask_BT if padded else None)
         )
     expected = 0.01 * torch.stack(per_layer).mean()
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-8)
@@ -376,7 +408,7 @@ def test_lbl_softmax_equals_transformers_load_balancing_loss_per_layer(padded):
 
 
 def test_lbl_sigmoid_is_the_megatron_aux_loss_by_hand():
-    model, routers, _, input_ids = setup("moonlight")
+    model, routers, _, input_ids = make_case("moonlight")
     model.train()
     handle = install_anchor(model, AnchorConfig(method="lbl", lbl_coef=0.01))
     tap = RouterTap(routers)
@@ -399,7 +431,7 @@ def test_lbl_sigmoid_is_the_megatron_aux_loss_by_hand():
 
 @pytest.mark.parametrize("arch", FOCUS)
 def test_router_l2_is_the_squared_distance_to_the_base_weights(arch):
-    model, routers, _, input_ids = setup(arch)
+    model, routers, _, input_ids = make_case(arch)
     model.train()
     base = [r.weight.detach().clone() for r in routers]
     handle = install_anchor(model, AnchorConfig(method="router-l2", lambda_=0.1))
@@ -415,9 +447,9 @@ def test_router_l2_is_the_squared_distance_to_the_base_weights(arch):
         loss = handle.loss()
         loss.backward()
     L = len(routers)
-    by_hand = 0.1 * sum(((r.weight.double() - w0.double()) ** 2).sum() for r, w0 in zip(routers, base)) / L
+    by_hand = 0.1 * sum(((r.weight.double() - w0.double()) ** 2).sum() for r, w0 in zip(routers, base, strict=True)) / L
     torch.testing.assert_close(loss.double(), by_hand, rtol=1e-5, atol=1e-8)
-    for r, w0 in zip(routers, base):
+    for r, w0 in zip(routers, base, strict=True):
         torch.testing.assert_close(r.weight.grad.double(), 0.1 * 2 * (r.weight.double() - w0.double()) / L)
 
 
@@ -448,7 +480,7 @@ def hand_logit_l2(z_TE, base_TE, transform):
     ],
 )
 def test_base_router_losses_by_hand_on_valid_tokens(arch, method, transform):
-    model, routers, _, input_ids = setup(arch)
+    model, routers, _, input_ids = make_case(arch)
     model.train()
     base = [r.weight.detach().double().clone() for r in routers]
     handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.1, router_transform=transform))
@@ -476,7 +508,7 @@ def test_base_router_losses_by_hand_on_valid_tokens(arch, method, transform):
 def test_padding_contents_change_nothing(method):
     """Garbage token ids and span labels at padded positions change neither the routing of the valid
     tokens nor the loss term; padded tokens keep the native routing."""
-    model, routers, pi, input_ids = setup("qwen3_moe")
+    model, routers, pi, input_ids = make_case("qwen3_moe")
     model.train()
     handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.1, lbl_coef=0.01), prior=pi)
     with torch.no_grad():
@@ -501,7 +533,7 @@ def test_padding_contents_change_nothing(method):
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-8)
     if method != "rpb":
         assert float(loss_a) > 0
-    for (_, z_a, g_a, i_a), (_, z_b, g_b, i_b) in zip(calls_a, calls_b):
+    for (_, z_a, g_a, i_a), (_, z_b, g_b, i_b) in zip(calls_a, calls_b, strict=True):
         torch.testing.assert_close(z_a[VALID_T], z_b[VALID_T], rtol=1e-6, atol=1e-6)
         assert torch.equal(i_a[VALID_T], i_b[VALID_T])
         torch.testing.assert_close(g_a[VALID_T], g_b[VALID_T], rtol=1e-6, atol=1e-6)
@@ -509,7 +541,7 @@ def test_padding_contents_change_nothing(method):
 
 @pytest.mark.parametrize("arch", FOCUS)
 def test_router_freeze_freezes_and_removal_restores(arch):
-    model, routers, _, input_ids = setup(arch)
+    model, routers, _, input_ids = make_case(arch)
     model.train()
     routers[-1].weight.requires_grad_(False)  # frozen by the user before install: stays frozen
     others = {n: p.requires_grad for n, p in model.named_parameters() if not n.endswith("mlp.gate.weight")}
@@ -527,7 +559,7 @@ def test_router_freeze_freezes_and_removal_restores(arch):
 
 
 def test_a_context_of_the_wrong_size_is_refused():
-    model, _, pi, input_ids = setup("qwen3_moe")
+    model, _, pi, input_ids = make_case("qwen3_moe")
     model.train()
     handle = install_anchor(model, AnchorConfig(method="rpb"), prior=pi)
     with handle.step(SAMPLE_BT[:2], SPAN_BT[:2], MASK_BT[:2]), pytest.raises(RuntimeError, match="tokens"):

@@ -41,6 +41,15 @@ def random_hidden(router, num_tokens: int = NUM_TOKENS, seed: int = 0, dtype=tor
     return torch.randn(num_tokens, router.weight.shape[1], generator=gen).to(dtype)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread avoids synchronisation overhead on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --------------------------------------------------------------------------- references
 
 
@@ -86,7 +95,7 @@ def _select_deepseek_v3(router, choice_logits_TE):
 
 def _gates_deepseek_v3(router, logits_TE, ids_TK):
     gates = []
-    for z, chosen in zip(logits_TE.double().tolist(), ids_TK.tolist()):
+    for z, chosen in zip(logits_TE.double().tolist(), ids_TK.tolist(), strict=True):
         g = [_sigmoid(z[e]) for e in chosen]  # no expert-correction bias in the gates
         if router.norm_topk_prob:
             total = sum(g) + 1e-20
@@ -108,7 +117,7 @@ def _select_deepseek_v2(router, choice_logits_TE):
 
 def _gates_deepseek_v2(router, logits_TE, ids_TK):
     gates = []
-    for z, chosen in zip(logits_TE.double().tolist(), ids_TK.tolist()):
+    for z, chosen in zip(logits_TE.double().tolist(), ids_TK.tolist(), strict=True):
         p = _softmax(z)
         gates.append([p[e] * router.routed_scaling_factor for e in chosen])  # never renormalised
     return torch.tensor(gates, dtype=torch.float64)
@@ -121,7 +130,7 @@ def _select_softmax_topk(router, choice_logits_TE):
 
 def _gates_softmax(logits_TE, ids_TK, normalize: bool):
     gates = []
-    for z, chosen in zip(logits_TE.double().tolist(), ids_TK.tolist()):
+    for z, chosen in zip(logits_TE.double().tolist(), ids_TK.tolist(), strict=True):
         p = _softmax(z)
         g = [p[e] for e in chosen]
         gates.append([v / sum(g) for v in g] if normalize else g)
@@ -241,7 +250,7 @@ def test_expert_bias_selects_but_never_weights(arch):
         logits_TE, native_gates_TK, native_ids_TK = router(random_hidden(router, seed=3))
     spec = RouterSpec.from_router(router, facts)
 
-    without_gates, without_ids = route(logits_TE, spec, None, None)
+    _, without_ids = route(logits_TE, spec, None, None)
     assert not (without_ids == favoured).any(dim=-1).all()  # not chosen for every token on its own
 
     gates_TK, ids_TK = route(logits_TE, spec, None, router.e_score_correction_bias)
@@ -347,7 +356,7 @@ def test_tiny_deepseek_v2_groups_are_live():
     _, facts, routers = tiny_routers("deepseek_v2")
     router = copy.deepcopy(routers[0])
     router.topk_group = 1
-    logits_TE, gates_TK, ids_TK = router(random_hidden(router, seed=4))
+    logits_TE, _, ids_TK = router(random_hidden(router, seed=4))
     spec = RouterSpec.from_router(router, facts)
     assert torch.equal(route(logits_TE, spec)[1], ids_TK)
     plain = torch.topk(logits_TE, 2).indices.sort(-1).values

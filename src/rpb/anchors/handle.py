@@ -130,7 +130,15 @@ class AnchorHandle:
         if not self._terms:
             return torch.zeros((), device=self._device())
         coef = self.config.lambda_ if self.method.coefficient == "lambda" else self.config.lbl_coef
-        return coef * torch.stack([self._terms[i] for i in sorted(self._terms)]).mean()
+        term = coef * torch.stack([self._terms[i] for i in sorted(self._terms)]).mean()
+        trainable = any(layer.moe.router.weight.requires_grad for layer in self.layers)
+        if torch.is_grad_enabled() and trainable and not term.requires_grad:
+            raise RuntimeError(
+                f"{self.method.name}: the routers ran without gradients in this step, so the anchor's loss term "
+                "cannot train them; with gradient checkpointing use "
+                'gradient_checkpointing_kwargs={"use_reentrant": False}'
+            )
+        return term
 
     def _device(self) -> torch.device:
         return self.layers[0].moe.router.weight.device
@@ -155,8 +163,12 @@ class AnchorHandle:
             first_call = ("recorded", pos) not in ctx.cache
             ctx.cache[("recorded", pos)] = True
             valid_T = ctx.valid_T.to(logits_TE.device)
-            if first_call and self.method.loss is not None:
-                self._terms[pos] = self._loss_term(layer, module, args[0], logits_TE, valid_T)
+            if self.method.loss is not None:
+                # computed on every call, so a recomputed forward saves exactly what the first one did
+                # (non-reentrant checkpointing checks that); only the first call's term is kept
+                term = self._loss_term(layer, module, args[0], logits_TE, valid_T)
+                if first_call:
+                    self._terms[pos] = term
             gates_TK, ids_TK = native_gates_TK, native_ids_TK
             if self.prior is not None:
                 gates_TK, ids_TK = self._prior_selection(pos, logits_TE, ctx, native_gates_TK, native_ids_TK)
