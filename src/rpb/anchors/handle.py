@@ -186,7 +186,8 @@ class AnchorHandle:
         content_T1 = tables.content_T[:, None]
         if tables.bias_PLE is not None:
             bias_TE = tables.bias_PLE[tables.pair_T, pos] * content_T1
-            gates_TK, ids_TK = route(logits_TE, layer.spec, bias_TE.to(logits_TE.dtype), layer.expert_bias_E)
+            # added in float32: a bf16 bias would round b before it chooses (spacing ~0.03 near 4)
+            gates_TK, ids_TK = route(logits_TE, layer.spec, bias_TE.float(), layer.expert_bias_E)
         else:
             ids_TK = tables.topk_PLK[tables.pair_T, pos]
             gates_TK = combine_weights(logits_TE, ids_TK, layer.spec)
