@@ -8,20 +8,12 @@ import tempfile
 from pathlib import Path
 
 from rpb.data.errors import DataError, RowError, RowProblem
-from rpb.data.jsonl import split_lines
+from rpb.data.jsonl import parse_object, split_lines
 from rpb.data.template import ChatTemplate
 
 
 def _qa_messages(raw: bytes) -> list[dict]:
-    text = raw.decode("utf-8").strip()
-    if not text:
-        raise RowProblem("blank", "blank line")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RowProblem("malformed-json", f"not valid JSON: {e.msg} at column {e.colno}") from None
-    if not isinstance(obj, dict):
-        raise RowProblem("malformed-json", f"expected a JSON object, got {type(obj).__name__}")
+    obj = parse_object(raw)
     messages = []
     for key, role in (("system", "system"), ("question", "user"), ("answer", "assistant")):
         if key not in obj:

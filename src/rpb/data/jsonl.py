@@ -58,7 +58,8 @@ def row_digests(path: str | Path) -> list[bytes]:
     return [hashlib.sha256(line.rstrip(b"\r")).digest() for line in split_lines(Path(path).read_bytes())]
 
 
-def parse_row(raw: bytes) -> Row:
+def parse_object(raw: bytes) -> dict:
+    """One line as a JSON object, or a RowProblem saying why not (UnicodeDecodeError for bad UTF-8)."""
     text = raw.decode("utf-8", errors="strict").strip()
     if not text:
         raise RowProblem("blank", "blank line (rows may not be skipped, so blank lines are errors)")
@@ -68,6 +69,11 @@ def parse_row(raw: bytes) -> Row:
         raise RowProblem("malformed-json", f"not valid JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(obj, dict):
         raise RowProblem("malformed-json", f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def parse_row(raw: bytes) -> Row:
+    obj = parse_object(raw)
     if "messages" in obj:
         return _messages_row(obj["messages"])
     if "input" in obj or "output" in obj:
