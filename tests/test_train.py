@@ -83,9 +83,28 @@ def test_beta_zero_is_sft_bit_for_bit(setup, arch, tmp_path):
     assert not all(torch.equal(sft[k], one[k]) for k in sft)
 
 
-def test_gradient_checkpointing_run_matches(setup, tmp_path):
+def count_router_calls(monkeypatch):
+    """Counts the first router's forward calls in runs started after this (2 per step = recomputed)."""
+    import rpb.train
+
+    calls = []
+    prepare = rpb.train.prepare_run
+
+    def counting(cfg, progress=True):
+        run = prepare(cfg, progress)
+        run.handle.layers[0].moe.router.register_forward_hook(lambda *a: calls.append(1))
+        return run
+
+    monkeypatch.setattr(rpb.train, "prepare_run", counting)
+    return calls
+
+
+def test_gradient_checkpointing_run_matches(setup, tmp_path, monkeypatch):
+    calls = count_router_calls(monkeypatch)
     plain = weights(train(setup, "moonlight", tmp_path / "a", "rpb"))
+    assert len(calls) == 3  # one forward per step
     ckpt = weights(train(setup, "moonlight", tmp_path / "b", "rpb", "train.gradient_checkpointing=true"))
+    assert len(calls) == 3 + 6  # forward and recomputation in each of the 3 steps
     assert max(float((plain[k] - ckpt[k]).abs().max()) for k in plain) <= 1e-6
 
 

@@ -9,6 +9,7 @@ a plain HF checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -163,6 +164,15 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
 def training_arguments(cfg: RunConfig, progress: bool = True) -> TrainingArguments:
     t = cfg.train
     on_cpu = not torch.cuda.is_available()
+    # transformers 5.x renamed gradient_checkpointing* to activation_checkpointing*
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    checkpointing = {
+        ckpt: t.gradient_checkpointing,
+        # reentrant checkpointing runs the first forward without grad, which would cut the
+        # anchors' loss terms off from the graph
+        f"{ckpt}_kwargs": {"use_reentrant": False},
+    }
     return TrainingArguments(
         output_dir=cfg.output_dir,
         max_steps=t.max_steps,
@@ -178,10 +188,7 @@ def training_arguments(cfg: RunConfig, progress: bool = True) -> TrainingArgumen
         report_to=t.report_to,
         save_strategy="no",
         remove_unused_columns=False,
-        gradient_checkpointing=t.gradient_checkpointing,
-        # reentrant checkpointing runs the first forward without grad, which would cut the
-        # anchors' loss terms off from the graph
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        **checkpointing,
         use_cpu=on_cpu,
         ddp_backend="gloo" if on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         dataloader_num_workers=0,
