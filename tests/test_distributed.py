@@ -25,15 +25,20 @@ def run(cmd, **kw):
     return done
 
 
-@pytest.mark.parametrize("method", ["rpb", "router-l2"])
-def test_ddp_two_processes_match_one(method, save_tiny, tmp_path):
+FSDP = ["train.fsdp=full_shard auto_wrap",
+        'train.fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["DeepseekV3DecoderLayer"]}']  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "sharding"), [("rpb", []), ("router-l2", []), ("rpb", FSDP)])
+def test_two_processes_match_one(method, sharding, save_tiny, tmp_path):
+    """DDP (and FSDP2 through the Trainer) with 2 gloo processes == 1 process with the same global batch."""
     model = save_tiny("moonlight")
     data = write_jsonl(conversations(16, seed=7), tmp_path / "train.jsonl")
     prior = tmp_path / "prior.safetensors"
     collect(str(model), data, prior, top_k=2, max_seq_len=192, progress=False)
     common = [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"anchor.method={method}", "anchor.lambda=0.1",
               "train.max_steps=3", "train.lr=1e-3", "--no-progress"]  # fmt: skip
-    run([*TORCHRUN, "-m", "rpb", "train", f"output_dir={tmp_path / 'two'}", "train.batch_size=2", *common])
+    run([*TORCHRUN, "-m", "rpb", "train", f"output_dir={tmp_path / 'two'}", "train.batch_size=2", *common, *sharding])
     run([sys.executable, "-m", "rpb", "train", f"output_dir={tmp_path / 'one'}", "train.batch_size=4", *common])
     two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     base = load_file(Path(model) / "model.safetensors")

@@ -130,7 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may come before or after options (key=value, never starting with "-")
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or args.command != "train"]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if args.command == "train":
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except (DataError, ConfigError, PriorMismatchError) as e:

@@ -40,6 +40,9 @@ class TrainSection:
     warmup_steps: int = 0
     lr_scheduler: str = "constant"
     save: bool = True
+    #: passed to TrainingArguments.fsdp / fsdp_config (e.g. "full_shard auto_wrap", {"version": 2})
+    fsdp: str = ""
+    fsdp_config: dict | None = None
 
 
 @dataclass

@@ -189,6 +189,8 @@ def training_arguments(cfg: RunConfig, progress: bool = True) -> TrainingArgumen
         save_strategy="no",
         remove_unused_columns=False,
         **checkpointing,
+        fsdp=t.fsdp,
+        fsdp_config=t.fsdp_config,
         use_cpu=on_cpu,
         ddp_backend="gloo" if on_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         dataloader_num_workers=0,
@@ -220,4 +222,7 @@ def run_training(cfg: RunConfig, progress: bool = True) -> Path:
     if trainer.is_world_process_zero():
         record = {"config": asdict(cfg), **prepared.info}
         (out / "rpb_run.json").write_text(json.dumps(record, indent=1, default=str))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return out
