@@ -15,9 +15,6 @@ from torch.distributed.fsdp import fully_shard
 from rpb.anchors import AnchorConfig, install_anchor
 from rpb.toy.models import build_tiny_model
 
-METHOD, OUT = sys.argv[1], sys.argv[2]
-
-
 def batch():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 107, (4, 12), generator=g)
@@ -35,12 +32,12 @@ def perturb_routers(model):
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
 
 
-def main():
+def main(method: str, out_path: str):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_tiny_model("moonlight", 107).train()
     prior = torch.softmax(torch.randn(4, 2, 2, 8, generator=torch.Generator().manual_seed(1)) * 3, -1)
-    handle = install_anchor(model, AnchorConfig(method=METHOD, lambda_=0.5), prior=prior)
+    handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.5), prior=prior)
     perturb_routers(model)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -55,11 +52,11 @@ def main():
     dist.all_reduce(loss)
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
     if rank == 0:
-        save_file({"loss": loss / world, **{n: g.contiguous() for n, g in grads.items()}}, OUT)
+        save_file({"loss": loss / world, **{n: g.contiguous() for n, g in grads.items()}}, out_path)
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], sys.argv[2])
