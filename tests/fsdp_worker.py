@@ -15,6 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from rpb.anchors import AnchorConfig, install_anchor
 from rpb.toy.models import build_tiny_model
 
+
 def batch():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 107, (4, 12), generator=g)
