@@ -26,6 +26,7 @@ def _collect(args) -> int:
         tokenizer_id=args.tokenizer,
         adapter=args.adapter,
         progress=not args.no_progress,
+        device=args.device,
     )
     n, _, layers, experts = art.prior_qa.shape
     print(f"wrote {args.out_path}: {n} samples x 2 spans x {layers} MoE layers x {experts} experts")
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-remote-code", action="store_true", help="allow the tokenizer's own code (never the model's)"
     )
     c.add_argument("--adapter", help="route this model with the adapter of another model_type")
+    c.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(func=_collect)
 

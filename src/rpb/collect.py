@@ -38,7 +38,14 @@ def config_sha256(config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def load_base_model(model_id: str, dtype: str = "float32", adapter: str | None = None):
+def resolve_device(device: str = "auto") -> torch.device:
+    """"auto": the first CUDA device when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_base_model(model_id: str, dtype: str = "float32", adapter: str | None = None, device: str = "auto"):
     """The base model (decoder stack, no LM head) through transformers' native class, and its router facts.
 
     Remote modeling code is never run: ``trust_remote_code`` is False for the model
@@ -59,7 +66,7 @@ def load_base_model(model_id: str, dtype: str = "float32", adapter: str | None =
         model = AutoModel.from_pretrained(model_id, config=config, dtype=DTYPES[dtype], trust_remote_code=False)
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model.eval(), facts
+    return model.to(resolve_device(device)).eval(), facts
 
 
 def load_tokenizer(tokenizer_id: str, trust_remote_code: bool = False):
@@ -172,6 +179,7 @@ def collect(
     tokenizer_id: str | None = None,
     adapter: str | None = None,
     progress: bool = True,
+    device: str = "auto",
 ) -> PriorArtifact:
     """Collect the prior of ``model_id`` over ``data_jsonl`` and write it atomically to ``out_path``.
 
@@ -186,7 +194,7 @@ def collect(
     tokenizer = load_tokenizer(tokenizer_id, trust_remote_code)
     data = load_labelled(data_jsonl, tokenizer, max_seq_len)  # raises DataError before any compute
 
-    model, facts = load_base_model(model_id, dtype, adapter)
+    model, facts = load_base_model(model_id, dtype, adapter, device)
     model_top_k = getattr(model.config, facts.top_k_config)
     if top_k != model_top_k:
         raise ValueError(f"--top-k {top_k} does not match the model's own top-k ({facts.top_k_config}={model_top_k})")

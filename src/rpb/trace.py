@@ -1,9 +1,10 @@
-"""Tracing a model's native routing over data (eval mode, no gradients, bias-free).
+"""Reading a model's native routing over data (eval mode, no gradients, bias-free).
 
-``trace_topk`` runs batches of labelled examples through the decoder stack (no LM head)
-and hands each MoE layer's native top-k choices, with the mask of the tokens that count,
-to a consumer. The shuffled-prior controls build base co-activation communities from it;
-the retention diagnostics compare base and post-training routing with it.
+``RouterTap`` captures every MoE layer's native ``(logits, topk_ids)`` during one
+forward; ``route_batch`` runs one collated batch through the decoder stack (the LM head is
+never computed). ``trace_topk`` streams a whole example list through a consumer. The
+shuffled-prior controls build base co-activation communities from it; the retention
+diagnostics pair two models' routing on the very same batches with it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,40 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, getattr(model, "base_model_prefix", ""), model)
 
 
+class RouterTap:
+    """Forward hooks that keep each router's latest ``logits_TE`` and ``topk_ids_TK``; removed on exit."""
+
+    def __init__(self, layers: list[MoELayer]):
+        self.layers = layers
+        self.logits: list[torch.Tensor | None] = [None] * len(layers)
+        self.topk_ids: list[torch.Tensor | None] = [None] * len(layers)
+        self._handles = []
+
+    def __enter__(self) -> RouterTap:
+        def hook(pos):
+            def fn(module, args, output):
+                self.logits[pos], self.topk_ids[pos] = output[0], output[2]
+
+            return fn
+
+        self._handles = [m.router.register_forward_hook(hook(i)) for i, m in enumerate(self.layers)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
 @torch.inference_mode()
+def route_batch(model: torch.nn.Module, batch: dict) -> None:
+    """One eval-mode forward of the decoder stack on a collated batch (see ``rpb.data.collate``)."""
+    device = next(model.parameters()).device
+    decoder_of(model)(
+        input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device), use_cache=False
+    )
+
+
 def trace_topk(
     model: torch.nn.Module,
     layers: list[MoELayer],
@@ -39,28 +73,17 @@ def trace_topk(
     """Feed every layer's native routing on ``examples`` to ``consumer``; returns the tokens counted."""
     was_training = model.training
     model.eval()
-    state: dict = {}
-
-    def hook(pos):
-        def fn(module, args, output):
-            logits_TE, _, topk_ids_TK = output
-            consumer(pos, topk_ids_TK, logits_TE, state["valid_T"], state["span_T"])
-
-        return fn
-
-    handles = [m.router.register_forward_hook(hook(i)) for i, m in enumerate(layers)]
-    device = next(model.parameters()).device
     tokens = 0
     try:
-        decoder = decoder_of(model)
-        for start in tqdm(range(0, len(examples), batch_size), desc=desc, disable=not progress, unit="batch"):
-            b = collate(examples[start : start + batch_size], pad_id)
-            state["valid_T"] = b["attention_mask"].reshape(-1).bool().to(device)
-            state["span_T"] = b["span_ids"].reshape(-1).to(device)
-            decoder(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device), use_cache=False)
-            tokens += int(b["attention_mask"].sum())
+        with RouterTap(layers) as tap:
+            for start in tqdm(range(0, len(examples), batch_size), desc=desc, disable=not progress, unit="batch"):
+                b = collate(examples[start : start + batch_size], pad_id)
+                route_batch(model, b)
+                valid_T, span_T = b["attention_mask"].reshape(-1).bool(), b["span_ids"].reshape(-1)
+                for pos in range(len(layers)):
+                    ids_TK = tap.topk_ids[pos]
+                    consumer(pos, ids_TK, tap.logits[pos], valid_T.to(ids_TK.device), span_T.to(ids_TK.device))
+                tokens += int(b["attention_mask"].sum())
     finally:
-        for h in handles:
-            h.remove()
         model.train(was_training)
     return tokens
