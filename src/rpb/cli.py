@@ -1,4 +1,4 @@
-"""``rpb``: collect | validate | render | train | demo. Thin: parses arguments, calls the library."""
+"""``rpb``: collect | validate | render | train | retention | demo. Thin: parses arguments, calls the library."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from rpb.anchors.verify import PriorMismatchError
 from rpb.config import ConfigError
 from rpb.data.errors import DataError
+from rpb.retention.run import RoutingMismatchError
 
 
 def _collect(args) -> int:
@@ -53,6 +54,25 @@ def _render(args) -> int:
 
     n = render_file(load_tokenizer(args.tokenizer, args.trust_remote_code), args.input, args.out)
     print(f"wrote {n} rows to {args.out}")
+    return 0
+
+
+def _retention(args) -> int:
+    from rpb.retention.run import run_retention
+
+    report = run_retention(
+        args.base, args.data_jsonl, args.out, post=args.post, max_rows=args.max_rows, seed=args.seed,
+        resolution=args.resolution, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
+        tokenizer=args.tokenizer, adapter=args.adapter, dtype=args.dtype, device=args.device,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    m = report["mean"]
+    if args.post:
+        print(f"mean over {len(report['layers'])} MoE layers: TVD {m['tvd']:.4f}, JSD {m['jsd']:.4f} bits, "
+              f"top-k overlap {m['topk_overlap']:.4f}, NMI {m['nmi']:.4f}")  # fmt: skip
+    else:
+        print(f"mean utilization entropy {m['entropy_base_bits']:.4f} bits, modularity {m['modularity_base']:.4f}")
+    print(f"wrote {args.out}/report.json, report.md and plots")
     return 0
 
 
@@ -122,6 +142,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=_train)
 
+    r = sub.add_parser("retention", help="how much of the base routing a post-trained model kept (bias-free)")
+    r.add_argument("--base", required=True, help="base checkpoint")
+    r.add_argument("--post", help="post-trained checkpoint (omit to describe the base alone)")
+    r.add_argument("--data-jsonl", required=True)
+    r.add_argument("--out", required=True, help="directory for report.json, report.md and the PNGs")
+    r.add_argument("--max-rows", type=int, help="a seeded sample of this many rows (default: all)")
+    r.add_argument("--seed", type=int, default=0, help="row sample and Louvain seed")
+    r.add_argument("--resolution", type=float, default=1.0, help="Louvain resolution")
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--max-seq-len", type=int, default=2048)
+    r.add_argument("--tokenizer", help="default: --base")
+    r.add_argument("--adapter")
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    r.add_argument("--device", default="auto")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=_retention)
+
     d = sub.add_parser("demo", help="the embedded default: tiny Moonlight-shaped MoE, synthetic data, prior")
     d.add_argument("--out", default="rpb-demo")
     d.add_argument("--rows", type=int, default=64)
@@ -142,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
-    except (DataError, ConfigError, PriorMismatchError) as e:
+    except (DataError, ConfigError, PriorMismatchError, RoutingMismatchError) as e:
         print(f"rpb {args.command}: {e}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, OSError) as e:

@@ -1,0 +1,1 @@
+"""Routing retention: base vs post-trained routing statistics, figures and report."""
