@@ -126,3 +126,24 @@ def test_bad_rows_are_reported_before_compute(save_tiny, tmp_path, capsys):
     assert main(["retention", "--base", str(save_tiny("moonlight")), "--data-jsonl", str(bad),
                  "--out", str(tmp_path / "o"), "--no-progress"]) == 2  # fmt: skip
     assert "2 bad row(s)" in capsys.readouterr().err
+
+
+def test_nmi_on_random_labelings_matches_the_textbook_formula():
+    """NMI = I(A;B) / ((H(A) + H(B)) / 2), from contingency counts, on random labelings."""
+    import random
+    from collections import Counter
+
+    from rpb.communities import nmi
+
+    def by_hand(a, b):
+        n = len(a)
+        h = lambda labels: -sum(c / n * math.log(c / n) for c in Counter(labels).values())  # noqa: E731
+        pa, pb, pab = Counter(a), Counter(b), Counter(zip(a, b, strict=True))
+        mi = sum(c / n * math.log(c * n / (pa[x] * pb[y])) for (x, y), c in pab.items())
+        return mi / ((h(a) + h(b)) / 2)
+
+    rng = random.Random(0)
+    for _ in range(20):
+        a = [rng.randrange(4) for _ in range(64)]
+        b = [rng.randrange(5) for _ in range(64)]
+        assert nmi(torch.tensor(a), torch.tensor(b)) == pytest.approx(by_hand(a, b), abs=1e-12)
