@@ -39,7 +39,7 @@ def config_sha256(config) -> str:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """"auto": the first CUDA device when there is one, else the CPU."""
+    """The device to run on; "auto" is the first CUDA device when there is one, else the CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)

@@ -1,0 +1,413 @@
+"""Seeded generators of short question/answer tasks: the toy world's pretraining and post-training data.
+
+Every question is short (<= 40 characters with the defaults), every answer is short (<= 12
+characters) and checked by exact match, and only ``string.printable`` characters appear (the
+character-level toy tokenizer's charset), so a tiny MoE transformer (hidden 128, 4 layers) can
+learn all domains in minutes on a CPU.
+
+=========  ==============================  ==============  ===========================================
+domain     question                        answer          rule
+=========  ==============================  ==============  ===========================================
+math       ``rev 47+85=``                  ``231``         a+b of 2-digit numbers, digits reversed
+code       ``sort 3 1 2``                  ``1 2 3``       sort / reverse / max / min / len, 3-6 digits
+text       ``double kiw``                  ``kkiiww``      reverse / upper / first / last / double
+facts      ``capital of Sogania?``         ``Detano``      recall from a fixed invented knowledge base
+math_post  ``rev 47+85-36=``               ``69``          three-term chain a+b-c >= 0, digits reversed
+code_post  ``sort|reverse 3 1 2``          ``3 2 1``       two-step pipelines of the code operations
+=========  ==============================  ==============  ===========================================
+
+``math_post`` and ``code_post`` play the roles of the paper's math20k and coding20k: same
+domain and answer conventions as pretraining, shifted to harder compositions (a subtraction
+step and a third term; a second operation).
+
+Digit order. Answers to arithmetic are written least-significant digit first by default
+(``reverse=True``; the question says so with its ``rev`` prefix). A left-to-right decoder that
+writes the most significant digit first must resolve every carry before its first output token;
+written in reverse, each digit depends only on the two operand digits in that position and the
+carry from the digit it has just written, a local rule that small transformers learn quickly and
+apply to unseen operand pairs (Lee et al., 2023, "Teaching Arithmetic to Small Transformers").
+``reverse=False`` writes the ordinary order; small operands (``digits=1``) are the other remedy.
+
+Splits. ``split_of`` assigns a question to "train" or "heldout" as a function of its text
+alone, so train and held-out never overlap whatever the seeds:
+
+* math, code, text and the post sets: a sha256 of the question; 15% is held out. Held-out
+  questions are new instances of a rule the model can learn.
+* facts: a fact that pretraining never shows cannot be recalled, so "held out" here means a
+  held-out *phrasing* of a fact that pretraining does teach. Each fact (entity, attribute) can be
+  asked with five templates; a hash of the fact picks one of them as its held-out phrasing
+  (exactly 20%) and the other four are training questions, so every fact is taught and every
+  held-out question asks something the model has seen in other words.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+DOMAINS = ("math", "code", "text", "facts")
+POST_SETS = ("math_post", "code_post")
+SPLITS = ("train", "heldout")
+
+HELDOUT_FRACTION = 0.15  # of each hashed domain's questions; facts hold out 1 of their 5 phrasings
+
+
+@dataclass(frozen=True)
+class Task:
+    domain: str
+    question: str
+    answer: str
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def _operand_range(digits: int) -> tuple[int, int]:
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    return (0, 9) if digits == 1 else (10 ** (digits - 1), 10**digits - 1)
+
+
+def _arith_task(domain: str, expr: str, value: int, reverse: bool) -> Task:
+    if reverse:
+        return Task(domain, f"rev {expr}=", str(value)[::-1])
+    return Task(domain, f"{expr}=", str(value))
+
+
+def _check_ops(ops: Sequence[str]) -> None:
+    if not ops or len(set(ops)) != len(ops) or not set(ops) <= {"+", "-"}:
+        raise ValueError(f"ops must be distinct items of ('+', '-'), got {ops!r}")
+
+
+def _math(rng: random.Random, digits: int = 2, ops: Sequence[str] = ("+",), reverse: bool = True) -> Task:
+    _check_ops(ops)
+    lo, hi = _operand_range(digits)
+    while True:  # redraw the whole triple, so that the valid ones are equally likely
+        a, op, b = rng.randint(lo, hi), rng.choice(ops), rng.randint(lo, hi)
+        if op == "+" or a >= b:  # differences stay non-negative
+            return _arith_task("math", f"{a}{op}{b}", a + b if op == "+" else a - b, reverse)
+
+
+def _math_all(digits: int = 2, ops: Sequence[str] = ("+",), reverse: bool = True) -> Iterator[Task]:
+    _check_ops(ops)
+    lo, hi = _operand_range(digits)
+    for op in ops:
+        for a in range(lo, hi + 1):
+            for b in range(lo, hi + 1):
+                if op == "+" or a >= b:
+                    yield _arith_task("math", f"{a}{op}{b}", a + b if op == "+" else a - b, reverse)
+
+
+def _math_size(digits: int = 2, ops: Sequence[str] = ("+",), reverse: bool = True) -> int:
+    _check_ops(ops)
+    lo, hi = _operand_range(digits)
+    n = hi - lo + 1
+    return sum(n * n if op == "+" else n * (n + 1) // 2 for op in ops)
+
+
+def _math_post(rng: random.Random, digits: int = 2, reverse: bool = True) -> Task:
+    lo, hi = _operand_range(digits)
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    c = rng.randint(lo, min(hi, a + b))  # a+b-c >= 0
+    return _arith_task("math_post", f"{a}+{b}-{c}", a + b - c, reverse)
+
+
+def _math_post_size(digits: int = 2, reverse: bool = True) -> int:
+    lo, hi = _operand_range(digits)
+    # Group the (a, b) pairs by their sum s: min(s - 2lo, 2hi - s) + 1 pairs, each with min(hi, s) - lo + 1 c's.
+    return sum((min(s - 2 * lo, 2 * hi - s) + 1) * (min(hi, s) - lo + 1) for s in range(2 * lo, 2 * hi + 1))
+
+
+# --------------------------------------------------------------------------- code: list operations
+
+#: Operations on a short list of single digits; the first two return lists, the rest numbers.
+LIST_OPS: dict[str, Callable[[list[int]], list[int] | int]] = {
+    "sort": sorted,
+    "reverse": lambda xs: xs[::-1],
+    "max": max,
+    "min": min,
+    "len": len,
+}
+CODE_OPS = tuple(LIST_OPS)
+#: code_post: a list-to-list step, then any operation ("sort|reverse" sorts descending).
+CODE_POST_PIPELINES = tuple(f"{a}|{b}" for a in ("sort", "reverse") for b in CODE_OPS)
+
+
+def _show(value: list[int] | int) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _check_lengths(lengths: tuple[int, int]) -> None:
+    lo, hi = lengths
+    if not 1 <= lo <= hi:
+        raise ValueError(f"lengths must be (lo, hi) with 1 <= lo <= hi, got {lengths!r}")
+
+
+def _check_names(names: Sequence[str], known: Sequence[str], what: str) -> None:
+    if not names or len(set(names)) != len(names) or set(names) - set(known):
+        raise ValueError(f"{what} must be distinct items of {tuple(known)}, got {tuple(names)!r}")
+
+
+def _digits(rng: random.Random, lengths: tuple[int, int]) -> list[int]:
+    return [rng.randint(0, 9) for _ in range(rng.randint(*lengths))]
+
+
+def _code(rng: random.Random, ops: Sequence[str] = CODE_OPS, lengths: tuple[int, int] = (3, 6)) -> Task:
+    _check_names(ops, CODE_OPS, "ops")
+    _check_lengths(lengths)
+    op, xs = rng.choice(ops), _digits(rng, lengths)
+    return Task("code", f"{op} {_show(xs)}", _show(LIST_OPS[op](xs)))
+
+
+def _code_post(
+    rng: random.Random, pipelines: Sequence[str] = CODE_POST_PIPELINES, lengths: tuple[int, int] = (3, 6)
+) -> Task:
+    _check_names(pipelines, CODE_POST_PIPELINES, "pipelines")
+    _check_lengths(lengths)
+    pipeline, xs = rng.choice(pipelines), _digits(rng, lengths)
+    first, then = pipeline.split("|")
+    return Task("code_post", f"{pipeline} {_show(xs)}", _show(LIST_OPS[then](LIST_OPS[first](xs))))
+
+
+def _lists_size(n_ops: int, lengths: tuple[int, int], alphabet: int) -> int:
+    _check_lengths(lengths)
+    return n_ops * sum(alphabet**k for k in range(lengths[0], lengths[1] + 1))
+
+
+# --------------------------------------------------------------------------- text: string transforms
+
+TEXT_OPS: dict[str, Callable[[str], str]] = {
+    "reverse": lambda w: w[::-1],
+    "upper": str.upper,
+    "first": lambda w: w[0],
+    "last": lambda w: w[-1],
+    "double": lambda w: "".join(ch + ch for ch in w),
+}
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _text(rng: random.Random, ops: Sequence[str] = tuple(TEXT_OPS), lengths: tuple[int, int] = (3, 6)) -> Task:
+    _check_names(ops, tuple(TEXT_OPS), "ops")
+    _check_lengths(lengths)
+    op = rng.choice(ops)
+    word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(*lengths)))
+    return Task("text", f"{op} {word}", TEXT_OPS[op](word))
+
+
+# --------------------------------------------------------------------------- facts: an invented world
+
+#: The knowledge base depends on this seed only, never on the seed of a sample or a split.
+KB_SEED = 20260912
+N_ENTITIES = 200
+FACT_ATTRIBUTES = ("capital", "language", "color")
+_COLORS = ("red", "blue", "green", "gold", "black", "white", "purple", "orange")
+FACT_TEMPLATES = (
+    "{attr} of {ent}?",
+    "{ent}'s {attr}?",
+    "What is {ent}'s {attr}?",
+    "Tell me the {attr} of {ent}.",
+    "{ent}: {attr}?",
+)
+# Each template as a regex, to read (entity, attribute, template) back from a question.
+_TEMPLATE_RES = tuple(
+    re.compile(
+        re.escape(t)
+        .replace(re.escape("{attr}"), "(?P<attr>[a-z]+)")
+        .replace(re.escape("{ent}"), "(?P<ent>[A-Z][a-z]+)")
+    )
+    for t in FACT_TEMPLATES
+)
+
+
+def _syllables(rng: random.Random, k: int) -> str:
+    return "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(k))
+
+
+@lru_cache(maxsize=8)
+def _kb(n_entities: int) -> tuple[tuple[str, dict[str, str]], ...]:
+    if n_entities < 1:
+        raise ValueError(f"n_entities must be >= 1, got {n_entities}")
+    rng, used = random.Random(KB_SEED), set()
+
+    def fresh(make: Callable[[], str]) -> str:  # every name in the world is distinct
+        while (name := make().capitalize()) in used:
+            pass
+        used.add(name)
+        return name
+
+    rows = []
+    # Entities are drawn one after another from one stream, so a smaller world is a prefix of a larger one.
+    for _ in range(n_entities):
+        entity = fresh(lambda: _syllables(rng, rng.randint(2, 3)) + rng.choice(("nia", "ria", "dor", "land", "mar")))
+        capital = fresh(lambda: _syllables(rng, rng.randint(2, 3)) + rng.choice(("", "n", "l", "s")))
+        language = fresh(lambda: _syllables(rng, 2) + rng.choice("nlrst") + rng.choice(("ish", "ese", "ic")))
+        rows.append((entity, {"capital": capital, "language": language, "color": rng.choice(_COLORS)}))
+    return tuple(rows)
+
+
+def knowledge_base(n_entities: int = N_ENTITIES) -> dict[str, dict[str, str]]:
+    """entity -> {attribute: value}, the same on every call and every machine."""
+    return {entity: dict(attrs) for entity, attrs in _kb(n_entities)}
+
+
+def _fact_task(entity: str, attrs: dict[str, str], attr: str, template: int) -> Task:
+    return Task("facts", FACT_TEMPLATES[template].format(attr=attr, ent=entity), attrs[attr])
+
+
+def _facts(rng: random.Random, n_entities: int = N_ENTITIES) -> Task:
+    entity, attrs = rng.choice(_kb(n_entities))
+    return _fact_task(entity, attrs, rng.choice(FACT_ATTRIBUTES), rng.randrange(len(FACT_TEMPLATES)))
+
+
+def _facts_all(n_entities: int = N_ENTITIES) -> Iterator[Task]:
+    for entity, attrs in _kb(n_entities):
+        for attr in FACT_ATTRIBUTES:
+            for template in range(len(FACT_TEMPLATES)):
+                yield _fact_task(entity, attrs, attr, template)
+
+
+def _parse_fact(question: str) -> tuple[str, str, int]:
+    for template, pattern in enumerate(_TEMPLATE_RES):
+        if (m := pattern.fullmatch(question)) and m["attr"] in FACT_ATTRIBUTES:
+            return m["ent"], m["attr"], template
+    raise ValueError(f"not a facts question in any known template: {question!r}")
+
+
+# --------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class _Domain:
+    generate: Callable[..., Task]
+    size: Callable[..., int]  # the number of distinct questions for the given params
+    enumerate: Callable[..., Iterator[Task]] | None = None  # only where generate is uniform over it
+
+
+_REGISTRY: dict[str, _Domain] = {
+    "math": _Domain(_math, _math_size, _math_all),
+    "code": _Domain(_code, lambda ops=CODE_OPS, lengths=(3, 6): _lists_size(len(ops), lengths, 10)),
+    "text": _Domain(_text, lambda ops=tuple(TEXT_OPS), lengths=(3, 6): _lists_size(len(ops), lengths, 26)),
+    "facts": _Domain(
+        _facts, lambda n_entities=N_ENTITIES: n_entities * len(FACT_ATTRIBUTES) * len(FACT_TEMPLATES), _facts_all
+    ),
+    "math_post": _Domain(_math_post, _math_post_size),
+    "code_post": _Domain(
+        _code_post, lambda pipelines=CODE_POST_PIPELINES, lengths=(3, 6): _lists_size(len(pipelines), lengths, 10)
+    ),
+}
+_ENUMERATE_LIMIT = 100_000  # smaller spaces are listed in full, so sample() is exact and never stalls
+
+
+def _domain(domain: str) -> _Domain:
+    if domain not in _REGISTRY:
+        raise ValueError(f"unknown domain {domain!r}; choose one of {DOMAINS + POST_SETS}")
+    return _REGISTRY[domain]
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def _stable_unit(text: str) -> float:
+    """A number in [0, 1) from sha256: the same in every process, unlike the salted built-in hash()."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2**64
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def generate(domain: str, rng: random.Random, **params) -> Task:
+    """One task of ``domain`` drawn with ``rng``; ``params`` are the domain generator's keywords."""
+    return _domain(domain).generate(rng, **params)
+
+
+def question_space(domain: str, **params) -> int:
+    """How many distinct questions ``domain`` has with ``params`` (both splits together)."""
+    return _domain(domain).size(**params)
+
+
+def split_of(task: Task) -> str:
+    """ "train" or "heldout", a function of the question text only (see the module docstring)."""
+    if task.domain == "facts":
+        entity, attr, template = _parse_fact(task.question)
+        held = template == int(_stable_unit(f"{entity}/{attr}") * len(FACT_TEMPLATES))
+    else:
+        held = _stable_unit(task.question) < HELDOUT_FRACTION
+    return "heldout" if held else "train"
+
+
+def sample(domain: str, n: int, seed: int, split: str = "train", **params) -> list[Task]:
+    """``n`` tasks with distinct questions, all from ``split``; the same list for the same arguments.
+
+    Raises ``ValueError`` when the split has fewer than ``n`` distinct questions.
+    """
+    spec = _domain(domain)
+    _check_split(split)
+    size = spec.size(**params)
+    if n > size:
+        raise ValueError(f"{domain} has only {size} distinct questions with {params or 'default params'}, not {n}")
+    rng = random.Random(f"{domain}:{seed}")  # a string seed is hashed with sha512: stable across processes
+
+    if spec.enumerate is not None and size <= _ENUMERATE_LIMIT:
+        pool = [t for t in spec.enumerate(**params) if split_of(t) == split]
+        if n > len(pool):
+            raise ValueError(f"{domain} has only {len(pool)} distinct {split} questions, not {n}")
+        return rng.sample(pool, n)
+
+    # Large spaces: draw, keep new questions of the split; give up only after a long run of misses.
+    tasks, seen, misses, patience = [], set(), 0, 10_000 + 20 * n
+    while len(tasks) < n:
+        task = spec.generate(rng, **params)
+        if task.question in seen or split_of(task) != split:
+            misses += 1
+            if misses > patience:
+                raise ValueError(
+                    f"found only {len(tasks)} distinct {split} questions of {domain} (of about "
+                    f"{size} in both splits) after {patience} draws without a new one, not {n}"
+                )
+            continue
+        seen.add(task.question)
+        tasks.append(task)
+        misses = 0
+    return tasks
+
+
+def mixture(
+    n: int,
+    seed: int,
+    domains: Sequence[str] = DOMAINS,
+    split: str = "train",
+    params: dict[str, dict] | None = None,
+) -> list[Task]:
+    """``n`` tasks split evenly over ``domains`` (the first ``n % len(domains)`` get one more), shuffled.
+
+    ``params`` maps a domain to its generator keywords, e.g. ``{"math": {"reverse": False}}``.
+    """
+    params = params or {}
+    if not domains or len(set(domains)) != len(domains):
+        raise ValueError(f"domains must be distinct and non-empty, got {tuple(domains)!r}")
+    if unknown := set(params) - set(domains):
+        raise ValueError(f"params given for domains not in the mixture: {sorted(unknown)}")
+    k = len(domains)
+    tasks = [
+        task
+        for i, domain in enumerate(domains)
+        for task in sample(domain, n // k + (i < n % k), seed, split, **params.get(domain, {}))
+    ]
+    random.Random(f"mixture:{seed}").shuffle(tasks)
+    return tasks
+
+
+def is_correct(task: Task, prediction: str) -> bool:
+    """Exact match, ignoring whitespace around the prediction."""
+    return prediction.strip() == task.answer
+
+
+def to_messages(task: Task) -> list[dict[str, str]]:
+    """The task as a user/assistant exchange, ready for a chat template."""
+    return [{"role": "user", "content": task.question}, {"role": "assistant", "content": task.answer}]
