@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import tempfile
 import time
@@ -59,7 +58,7 @@ from rpb.collect import load_base_model, load_tokenizer
 from rpb.data import collate, load_labelled
 from rpb.retention.run import collect_routing
 from rpb.retention.stats import ModelRouting, PairedOverlap
-from rpb.toy.data import conversations, write_jsonl
+from rpb.toy.data import long_conversations, write_jsonl
 from rpb.toy.models import build_tiny_model
 from rpb.toy.tokenizers import moonlight_tokenizer
 from rpb.trace import RouterTap, route_batch
@@ -88,14 +87,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def write_data(path: Path, rows: int, seed: int) -> None:
-    """Rows of 4 to 10 exchanges (about 200 to 550 tokens with the Moonlight template)."""
-    rng = random.Random(seed)
-    exchanges = iter(conversations(rows * 10, seed, multi_turn_every=0))
-    data = []
-    for _ in range(rows):
-        messages = [m for _ in range(rng.randint(4, 10)) for m in next(exchanges)["messages"]]
-        data.append({"messages": messages})
-    write_jsonl(data, path)
+    write_jsonl(long_conversations(rows, seed), path)
 
 
 def shape_of(args) -> dict:

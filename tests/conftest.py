@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rpb.toy.models import build_tiny_model
 from rpb.toy.tokenizers import CharSlowTokenizer, chatml_tokenizer, moonlight_tokenizer
@@ -24,6 +25,15 @@ def chatml_tok():
 @pytest.fixture(scope="session")
 def slow_tok():
     return CharSlowTokenizer()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one intra-op thread avoids synchronisation overhead on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def write_rows(path: Path, rows: list) -> Path:

@@ -39,13 +39,7 @@ CONTENT_T = (SPAN_BT.reshape(-1) >= 0) & VALID_T
 FOCUS = ["moonlight", "qwen3_moe", "mixtral"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids synchronisation overhead on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def router_modules(model) -> list[torch.nn.Module]:

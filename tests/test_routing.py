@@ -41,14 +41,7 @@ def random_hidden(router, num_tokens: int = NUM_TOKENS, seed: int = 0, dtype=tor
     return torch.randn(num_tokens, router.weight.shape[1], generator=gen).to(dtype)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread avoids synchronisation overhead on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --------------------------------------------------------------------------- references
 

@@ -38,6 +38,15 @@ def conversations(n: int, seed: int = 0, multi_turn_every: int = 5) -> list[dict
     return rows
 
 
+def long_conversations(rows: int, seed: int = 0) -> list[dict]:
+    """Rows of 4 to 10 single exchanges each (about 200 to 550 tokens with the Moonlight template)."""
+    rng = random.Random(seed)
+    exchanges = iter(conversations(rows * 10, seed, multi_turn_every=0))
+    return [
+        {"messages": [m for _ in range(rng.randint(4, 10)) for m in next(exchanges)["messages"]]} for _ in range(rows)
+    ]
+
+
 def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
