@@ -1,0 +1,176 @@
+"""The toy world's base model: a tiny Moonlight-shaped MoE pretrained from scratch on all domains.
+
+Pretraining does what real pretraining does at this scale: the mixture of every domain, the
+load-balancing loss on (Megatron's sigmoid form, through the ``lbl`` anchor), loss on the
+answers. The result is cached (``base_dir``) and rebuilt deterministically when absent.
+
+Shape legend: B batch rows, T positions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from rpb.anchors import AnchorConfig, install_anchor
+from rpb.data import ChatTemplate
+from rpb.data.dataset import label_row
+from rpb.data.jsonl import MessagesRow
+from rpb.toy.models import build_tiny_model
+from rpb.toy.tokenizers import moonlight_tokenizer
+from rpb.toyworld.tasks import DOMAINS, Task, is_correct, question_space, sample, to_messages
+from rpb.train_data import IGNORE_INDEX, labels_for
+
+
+@dataclass(frozen=True)
+class BaseRecipe:
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    n_routed_experts: int = 64
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 64
+    intermediate_size: int = 512
+    batch_size: int = 64
+    lr: float = 3e-3
+    lbl_coef: float = 0.01
+    minutes: float = 10.0
+    max_steps: int = 100_000
+    pool: int = 60_000  # training tasks drawn once, cycled through
+    seed: int = 0
+
+    def model_overrides(self) -> dict:
+        return {
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "n_routed_experts": self.n_routed_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "intermediate_size": self.intermediate_size,
+            "n_shared_experts": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 32,
+            "max_position_embeddings": 256,
+        }
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("RPB_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "rpb"
+    )
+    return Path(root)
+
+
+def encode_tasks(tokenizer, tasks: list[Task], loss_on: str = "answer") -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) per task, through the same labelling as the collector and trainer."""
+    from rpb.data import Example
+
+    template = ChatTemplate(tokenizer)
+    out = []
+    for i, task in enumerate(tasks):
+        ids, spans = label_row(template, MessagesRow(tuple(to_messages(task))), 512)
+        out.append((ids, labels_for(Example(i, ids, spans), loss_on)))
+    return out
+
+
+def training_pool(size: int, seed: int) -> list[Task]:
+    """``size`` training tasks, a quarter per domain; small domains (facts: 2,400 training
+    questions) repeat their whole training split to fill their quarter."""
+    per = size // len(DOMAINS)
+    pool = []
+    for domain in DOMAINS:
+        # at most the training split (>= 80% of the question space for every domain)
+        tasks = sample(domain, min(per, int(question_space(domain) * 0.8)), seed=seed)
+        pool += (tasks * math.ceil(per / len(tasks)))[:per]
+    return pool
+
+
+def _batch(encoded, pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids, _ in encoded)
+    ids_BT = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    labels_BT = torch.full((len(encoded), width), IGNORE_INDEX, dtype=torch.long)
+    mask_BT = torch.zeros((len(encoded), width), dtype=torch.long)
+    for b, (ids, labels) in enumerate(encoded):
+        ids_BT[b, : len(ids)] = torch.tensor(ids)
+        labels_BT[b, : len(ids)] = torch.tensor(labels)
+        mask_BT[b, : len(ids)] = 1
+    return {"input_ids": ids_BT, "labels": labels_BT, "attention_mask": mask_BT}
+
+
+@torch.no_grad()
+def exact_match(model, tokenizer, tasks: list[Task], batch_size: int = 64, max_new_tokens: int = 16) -> float:
+    """Greedy decoding from the rendered prompt; the fraction answered exactly."""
+    template = ChatTemplate(tokenizer)
+    was_training = model.training
+    model.eval()
+    tokenizer.padding_side = "left"
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    right = 0
+    for start in range(0, len(tasks), batch_size):
+        chunk = tasks[start : start + batch_size]
+        prompts = [template.render_reference(to_messages(t))[0] for t in chunk]
+        enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        for task, row in zip(chunk, out[:, enc["input_ids"].shape[1] :], strict=True):
+            right += is_correct(task, tokenizer.decode(row, skip_special_tokens=True))
+    tokenizer.padding_side = "right"
+    model.train(was_training)
+    return right / max(len(tasks), 1)
+
+
+def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_domain: int = 200) -> dict:
+    """Build and pretrain the base model; save it (HF checkpoint + tokenizer + recipe.json)."""
+    torch.manual_seed(recipe.seed)
+    tokenizer = moonlight_tokenizer()
+    model = build_tiny_model("moonlight", len(tokenizer), seed=recipe.seed, **recipe.model_overrides())
+    # build_tiny_model randomises routers for tests; a base model starts from the default init
+    model = type(model)(model.config)
+    model.train()
+    handle = install_anchor(model, AnchorConfig(method="lbl", lbl_coef=recipe.lbl_coef))
+    encoded = encode_tasks(tokenizer, training_pool(recipe.pool, recipe.seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    budget = recipe.minutes * 60
+    g = torch.Generator().manual_seed(recipe.seed)
+    order = torch.randperm(len(encoded), generator=g).tolist()
+    started, step, losses = time.perf_counter(), 0, []
+    bar = tqdm(total=int(budget), unit="s", desc="pretrain base", disable=not progress)
+    while step < recipe.max_steps and time.perf_counter() - started < budget:
+        frac = min((time.perf_counter() - started) / budget, 1.0)
+        for group in opt.param_groups:  # warm-up then cosine decay over the time budget
+            group["lr"] = recipe.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))
+        rows = [encoded[order[(step * recipe.batch_size + i) % len(order)]] for i in range(recipe.batch_size)]
+        batch = _batch(rows, tokenizer.pad_token_id)
+        sample_BT = torch.zeros_like(batch["input_ids"])
+        with handle.step(sample_BT, sample_BT, batch["attention_mask"]):
+            loss = model(**batch).loss
+            total = loss + handle.loss()
+            total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        step += 1
+        bar.n = int(time.perf_counter() - started)
+        bar.set_postfix(step=step, loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
+        bar.refresh()
+    bar.close()
+    handle.remove()
+    accuracy = {d: exact_match(model, tokenizer, sample(d, eval_per_domain, seed=1, split="heldout")) for d in DOMAINS}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    record = {"recipe": asdict(recipe), "steps": step, "seconds": time.perf_counter() - started,
+              "final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1), "heldout_exact_match": accuracy}  # fmt: skip
+    (out_dir / "recipe.json").write_text(json.dumps(record, indent=1))
+    return record
