@@ -191,7 +191,9 @@ def test_is_correct_ignores_surrounding_whitespace_only():
 
 def test_to_messages():
     task = Task("text", "upper abc", "ABC")
-    assert to_messages(task) == [{"role": "user", "content": "upper abc"}, {"role": "assistant", "content": "ABC"}]
+    exchange = [{"role": "user", "content": "upper abc"}, {"role": "assistant", "content": "ABC"}]
+    assert to_messages(task, system=None) == exchange
+    assert to_messages(task) == [{"role": "system", "content": ""}, *exchange]
 
 
 def test_mixture_is_balanced_shuffled_deterministic_and_split_pure():

@@ -408,6 +408,12 @@ def is_correct(task: Task, prediction: str) -> bool:
     return prediction.strip() == task.answer
 
 
-def to_messages(task: Task) -> list[dict[str, str]]:
-    """The task as a user/assistant exchange, ready for a chat template."""
-    return [{"role": "user", "content": task.question}, {"role": "assistant", "content": task.answer}]
+def to_messages(task: Task, system: str | None = "") -> list[dict[str, str]]:
+    """The task as a user/assistant exchange, ready for a chat template.
+
+    ``system=""`` adds an empty system turn: Moonlight's template otherwise inserts its default
+    system prompt, which would be about half of every toy sequence (structural tokens that only
+    cost compute). ``None`` leaves the template's default in place.
+    """
+    turns = [{"role": "user", "content": task.question}, {"role": "assistant", "content": task.answer}]
+    return turns if system is None else [{"role": "system", "content": system}, *turns]
