@@ -44,6 +44,11 @@ class BaseRecipe:
     max_steps: int = 100_000
     pool: int = 60_000  # training tasks drawn once, cycled through
     seed: int = 0
+    #: size of the invented knowledge base the facts domain recalls from
+    facts_entities: int = 200
+
+    def domain_params(self) -> dict[str, dict]:
+        return {"facts": {"n_entities": self.facts_entities}}
 
     def model_overrides(self) -> dict:
         return {
@@ -83,14 +88,15 @@ def encode_tasks(tokenizer, tasks: list[Task], loss_on: str = "answer") -> list[
     return out
 
 
-def training_pool(size: int, seed: int) -> list[Task]:
+def training_pool(size: int, seed: int, params: dict[str, dict] | None = None) -> list[Task]:
     """``size`` training tasks, a quarter per domain; small domains (facts: 2,400 training
-    questions) repeat their whole training split to fill their quarter."""
+    questions with 200 entities) repeat their whole training split to fill their quarter."""
     per = size // len(DOMAINS)
     pool = []
     for domain in DOMAINS:
+        kw = (params or {}).get(domain, {})
         # at most the training split (>= 80% of the question space for every domain)
-        tasks = sample(domain, min(per, int(question_space(domain) * 0.8)), seed=seed)
+        tasks = sample(domain, min(per, int(question_space(domain, **kw) * 0.8)), seed=seed, **kw)
         pool += (tasks * math.ceil(per / len(tasks)))[:per]
     return pool
 
@@ -138,7 +144,7 @@ def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_
     model = type(model)(model.config)
     model.train()
     handle = install_anchor(model, AnchorConfig(method="lbl", lbl_coef=recipe.lbl_coef))
-    encoded = encode_tasks(tokenizer, training_pool(recipe.pool, recipe.seed))
+    encoded = encode_tasks(tokenizer, training_pool(recipe.pool, recipe.seed, recipe.domain_params()))
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.98))
     budget = recipe.minutes * 60
     g = torch.Generator().manual_seed(recipe.seed)
@@ -166,7 +172,11 @@ def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_
         bar.refresh()
     bar.close()
     handle.remove()
-    accuracy = {d: exact_match(model, tokenizer, sample(d, eval_per_domain, seed=1, split="heldout")) for d in DOMAINS}
+    params = recipe.domain_params()
+    accuracy = {
+        d: exact_match(model, tokenizer, sample(d, eval_per_domain, seed=1, split="heldout", **params.get(d, {})))
+        for d in DOMAINS
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
