@@ -44,11 +44,14 @@ class BaseRecipe:
     max_steps: int = 100_000
     pool: int = 60_000  # training tasks drawn once, cycled through
     seed: int = 0
-    #: size of the invented knowledge base the facts domain recalls from
-    facts_entities: int = 200
+    #: size of the invented knowledge base the facts domain recalls from; 200 entities (600
+    #: facts) reached 7% held-out exact match in 10 minutes, 50 (150 facts) 87%
+    facts_entities: int = 50
+    #: text operations pretrained; "reverse" and "double" stayed near 0% in 10 minutes
+    text_ops: tuple[str, ...] = ("upper", "first", "last")
 
     def domain_params(self) -> dict[str, dict]:
-        return {"facts": {"n_entities": self.facts_entities}}
+        return {"facts": {"n_entities": self.facts_entities}, "text": {"ops": self.text_ops}}
 
     def model_overrides(self) -> dict:
         return {
