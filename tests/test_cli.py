@@ -43,7 +43,7 @@ def test_collect_then_validate(save_tiny, data, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "row/s" in captured.err and "tok_s=" in captured.err  # progress: rows/s and tokens/s
     assert main(["validate", str(out), "--data-jsonl", str(data), "--expected-model", str(save_tiny("moonlight"))]) == 0
-    meta = json.loads(load_file.__globals__["safe_open"](str(out), "pt").metadata()["rpb"])
+    meta = artifact_module.read_metadata(out)
     assert meta["model_type"] == "deepseek_v3" and meta["num_rows"] == 12 and meta["top_k"] == 2
     assert meta["routed_positions"] == "all-positions-of-truncated-sequence"
     for text in ("What is", "Sort the list", "Reverse"):  # no conversation text is stored
