@@ -18,14 +18,18 @@ def test_training_pool_is_balanced_and_deterministic():
 
 def test_miniature_recipe_trains_saves_and_reports(tmp_path):
     recipe = BaseRecipe(hidden_size=32, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
-                        moe_intermediate_size=16, intermediate_size=64, batch_size=8, minutes=5, max_steps=6,
+                        moe_intermediate_size=16, intermediate_size=64, batch_size=8, max_steps=6,
                         pool=64)  # fmt: skip
     record = pretrain(recipe, tmp_path, progress=False, eval_per_domain=4)
+    again = pretrain(recipe, tmp_path / "again", progress=False, eval_per_domain=4)
+    assert again["final_loss"] == record["final_loss"]  # step-based schedule: deterministic
     assert record["steps"] == 6 and torch.isfinite(torch.tensor(record["final_loss"]))
     assert set(record["heldout_exact_match"]) == set(DOMAINS)
     assert json.loads((tmp_path / "recipe.json").read_text())["steps"] == 6
     model = AutoModelForCausalLM.from_pretrained(tmp_path)  # a plain HF checkpoint
     assert model.config.n_routed_experts == 8 and not any(m._forward_hooks for m in model.modules())
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
 
 
 class Oracle(torch.nn.Module):
