@@ -126,7 +126,7 @@ def exact_match(model, tokenizer, tasks: list[Task], batch_size: int = 64, max_n
     template = ChatTemplate(tokenizer)
     was_training = model.training
     model.eval()
-    tokenizer.padding_side = "left"
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # prompts end where generation starts
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     right = 0
     for start in range(0, len(tasks), batch_size):
@@ -137,7 +137,7 @@ def exact_match(model, tokenizer, tasks: list[Task], batch_size: int = 64, max_n
                              pad_token_id=tokenizer.pad_token_id)  # fmt: skip
         for task, row in zip(chunk, out[:, enc["input_ids"].shape[1] :], strict=True):
             right += is_correct(task, tokenizer.decode(row, skip_special_tokens=True))
-    tokenizer.padding_side = "right"
+    tokenizer.padding_side = side
     model.train(was_training)
     return right / max(len(tasks), 1)
 
