@@ -164,7 +164,7 @@ def test_markdown_pair(pictures, tmp_path):
 def test_markdown_single_model(tmp_path):
     report = _report(pair=False)
     report["layers"][0]["modularity_base"] = math.nan
-    md = render_markdown(report, {"layer_bars": "layers.png"})
+    md = render_markdown(report, {"layers": "layers.png"})
     assert "post-trained" not in md and "TVD" not in md and "NMI" not in md
     assert "| layer | entropy (bits) | communities | modularity |" in md
     first = report["layers"][0]

@@ -4,8 +4,8 @@ Numbers use fixed decimals (``DIGITS``); NaN or missing values print as ``n/a``.
 linked, not inlined: ``images`` maps a name to a PNG path. ``write_markdown`` makes absolute
 paths relative to the Markdown file so the report directory can be moved as a whole; relative
 paths are taken as already relative to it and are linked as given.
-Known image names get a caption: ``utilization``, ``layers`` (or ``layer_bars``) and
-``coactivation_<layer>`` (or ``coactivation_layer<layer>``); other names are shown as they are.
+Known image names get a caption: ``utilization``, ``layers`` and ``coactivation_layer<layer>``
+(the names ``rpb retention`` writes); other names are shown as they are.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ NA = "n/a"
 
 _CAPTIONS = {
     "utilization": "Per-expert utilization share per MoE layer",
-    "layer_bars": "Per-layer metrics",
     "layers": "Per-layer metrics",
 }
 
@@ -149,9 +148,8 @@ def _per_layer(report: dict) -> list[str]:
 def _caption(name: str) -> str:
     if name in _CAPTIONS:
         return _CAPTIONS[name]
-    if name.startswith("coactivation"):
-        layer = name.removeprefix("coactivation").lstrip("_").removeprefix("layer").lstrip("_")
-        return f"Expert co-activation, layer {layer}" if layer else "Expert co-activation"
+    if name.startswith("coactivation_layer"):
+        return f"Expert co-activation, layer {name.removeprefix('coactivation_layer')}"
     return name.replace("_", " ")
 
 
