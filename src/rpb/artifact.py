@@ -7,14 +7,22 @@ Tensors
                                       tell an edited row from reordered rows (no text is stored)
 Metadata (safetensors header, key ``rpb``): a JSON object, see ``REQUIRED_METADATA``.
 
-Writes are atomic: the file appears under its final name only once complete.
+Writes are atomic: the file appears under its final name only once complete. A prior too
+large for memory is written tensor by tensor (``write_streamed``: the safetensors layout is an
+8-byte little-endian header length, a JSON header, then the raw little-endian tensor bytes), and
+read memory-mapped (``load_artifact``): the tensors are views of the page cache, so every
+process on a node that loads the same prior shares one copy.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
+import sys
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,9 +90,84 @@ def atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path
         raise
 
 
+def header_metadata(metadata: dict) -> dict[str, str]:
+    """The safetensors ``__metadata__`` of an artifact with ``metadata``."""
+    return {METADATA_KEY: json.dumps(metadata, sort_keys=True), "format": "pt"}
+
+
 def save_artifact(artifact: PriorArtifact, path: str | Path) -> None:
-    meta = {METADATA_KEY: json.dumps(artifact.metadata, sort_keys=True), "format": "pt"}
-    atomic_save(artifact.tensors(), meta, path)
+    atomic_save(artifact.tensors(), header_metadata(artifact.metadata), path)
+
+
+# ---- streamed writing ------------------------------------------------------------------------
+
+#: safetensors dtype names of the artifact's tensors
+ST_DTYPES = {torch.float32: "F32", torch.int64: "I64", torch.uint8: "U8"}
+#: the data section starts on this boundary, so that every tensor can be viewed in place
+HEADER_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def safetensors_header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
+    """Length prefix and JSON header of a file holding ``specs`` back to back, in that order."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for s in specs:
+        entry = {"dtype": ST_DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        header[s.name] = entry
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % HEADER_ALIGN)  # spaces are valid JSON padding, as safetensors pads
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_streamed(
+    path: str | Path,
+    specs: list[TensorSpec],
+    metadata: dict[str, str],
+    pieces: Callable[[TensorSpec], Iterable[torch.Tensor]],
+    tmp_dir: str | Path | None = None,
+) -> None:
+    """Write a safetensors file without holding its tensors: ``pieces(spec)`` yields each tensor's
+    consecutive slices along its first axis. Atomic like ``atomic_save``; the temporary file lives
+    in ``tmp_dir`` (same filesystem as ``path``; default: beside it)."""
+    if sys.byteorder != "little":  # safetensors is little-endian and the bytes are written as they lie
+        raise RuntimeError("write_streamed needs a little-endian machine")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=tmp_dir or path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(safetensors_header(specs, metadata))
+            for spec in specs:
+                written = 0
+                for piece in pieces(spec):
+                    if piece.dtype != spec.dtype or tuple(piece.shape[1:]) != spec.shape[1:]:
+                        raise ValueError(
+                            f"{spec.name}: a piece of {piece.dtype} {tuple(piece.shape)} does not fit "
+                            f"{spec.dtype} {spec.shape}"
+                        )
+                    data = piece.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                    f.write(memoryview(data))
+                    written += data.nbytes
+                if written != spec.nbytes:
+                    raise ValueError(f"{spec.name}: {written} bytes written, the header says {spec.nbytes}")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class ArtifactError(ValueError):
@@ -109,14 +192,58 @@ def read_metadata(path: str | Path) -> dict:
     return meta
 
 
-def load_artifact(path: str | Path) -> PriorArtifact:
-    """Load tensors and metadata through safetensors (no pickle on this path)."""
+TENSOR_NAMES = ("prior_qa", "span_tokens", "row_sha256")
+
+
+#: safetensors dtype names that can be viewed in place (others are read as copies)
+_MAPPABLE = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def map_tensors(path: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """``names`` of a safetensors file as views of one private file mapping.
+
+    The mapping is ``MAP_PRIVATE`` (``shared=False``): pages that are only read stay the page
+    cache's, shared by every process mapping the file; a write would copy its page for this
+    process alone and never reach the file. Call it on files safetensors has opened already
+    (it checks the header's offsets against the file size); tensors of other dtypes, or not
+    aligned for their dtype, are read through safetensors as copies.
+    """
+    path = str(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
+    out = {}
+    for name in names:
+        info = header[name]
+        dtype, shape = _MAPPABLE.get(info["dtype"]), tuple(info["shape"])
+        begin, end = (8 + header_len + o for o in info["data_offsets"])
+        if dtype is None or begin % dtype.itemsize:
+            with safe_open(path, framework="pt") as f:
+                out[name] = f.get_tensor(name).clone()
+            continue
+        if end > size or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ArtifactError(f"{path}: tensor {name!r} has offsets that do not fit its shape or the file")
+        out[name] = torch.empty(0, dtype=dtype).set_(storage, begin // dtype.itemsize, shape)
+    return out
+
+
+def load_artifact(path: str | Path, mmap: bool = True) -> PriorArtifact:
+    """Load tensors and metadata through safetensors (no pickle on this path).
+
+    ``mmap`` (default): the tensors are views of the file (see ``map_tensors``), so a prior far
+    larger than memory loads instantly and the ranks of one node share it; False reads copies.
+    """
     meta = read_metadata(path)
-    tensors = {}
     with safe_open(str(path), framework="pt") as f:
-        missing = {"prior_qa", "span_tokens", "row_sha256"} - set(f.keys())
+        missing = set(TENSOR_NAMES) - set(f.keys())
         if missing:
             raise ArtifactError(f"{path}: missing tensor(s) {sorted(missing)}")
-        for name in ("prior_qa", "span_tokens", "row_sha256"):
-            tensors[name] = f.get_tensor(name)
-    return PriorArtifact(metadata=meta, **tensors)
+        if not mmap:
+            return PriorArtifact(metadata=meta, **{name: f.get_tensor(name).clone() for name in TENSOR_NAMES})
+    return PriorArtifact(metadata=meta, **map_tensors(path, TENSOR_NAMES))

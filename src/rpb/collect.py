@@ -6,14 +6,20 @@ the prior's router transform of the raw logits that the model's own router modul
 returns. The model runs in eval mode without gradients, batched with right padding
 (padding never counts), and without its LM head: the base model is loaded alone,
 since the prior needs no vocabulary logits.
+
+At scale (``collect``): the rows are cut into fixed chunks; within a chunk they are batched
+by length (less padding) and their results put back in row order; each finished chunk is
+written to ``<out>.partial/`` at once, so memory does not grow with the row count and a
+killed run resumes where it stopped; under ``torchrun``/``accelerate launch`` the ranks
+share the chunks out; the artifact is assembled from the chunks at the end.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,12 +27,17 @@ from tqdm.auto import tqdm
 
 import rpb
 from rpb.adapters import MoELayer, find_moe_layers, get_adapter, routers_sha256
-from rpb.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION, PriorArtifact, save_artifact
-from rpb.data import ChatTemplate, Example, collate, load_labelled
-from rpb.data.jsonl import row_digests
+from rpb.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION, PriorArtifact, load_artifact
+from rpb.collect_dist import ranks
+from rpb.collect_rows import label_range, scan_rows
+from rpb.collect_store import WorkDir
+from rpb.data import ChatTemplate, Example, collate
 from rpb.prior import NUM_SPANS, ROUTER_TRANSFORMS, SPAN_NAMES, router_probs, span_counts, span_sums
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: rows per chunk: the unit of writing, of resuming and of sharing out, and the window rows
+#: are batched by length within
+DEFAULT_CHUNK_ROWS = 256
 
 # Config keys that say nothing about the network (paths, versions, runtime switches).
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures", "auto_map"}
@@ -38,11 +49,20 @@ def config_sha256(config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    """The device to run on; "auto" is the first CUDA device when there is one, else the CPU."""
+def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
+    """The device to run on; "auto" is CUDA when there is one, else the CPU. A CUDA device
+    without an index is the process's own one (``LOCAL_RANK``) when several share a node."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    d = torch.device(device)
+    if d.type != "cuda" or d.index is not None:
+        return d
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"process LOCAL_RANK={local_rank} has no CUDA device of its own ({torch.cuda.device_count()} visible); "
+            "launch at most one process per device, or pass --device cpu"
+        )
+    return torch.device("cuda", local_rank)
 
 
 def load_base_model(model_id: str, dtype: str = "float32", adapter: str | None = None, device: str = "auto"):
@@ -120,9 +140,27 @@ class SpanAccumulator:
         return out
 
 
-def batches(examples: list[Example], batch_size: int) -> Iterator[list[Example]]:
-    for start in range(0, len(examples), batch_size):
-        yield examples[start : start + batch_size]
+class Progress:
+    """One rows/s bar with tokens/s for a whole run, however many chunks it takes."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.bar = tqdm(total=total, unit="row", desc="collect", disable=not enabled, dynamic_ncols=True)
+        self.tokens, self.started = 0, time.perf_counter()
+
+    def update(self, rows: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.bar.update(rows)
+        self.bar.set_postfix(tok_s=f"{self.tokens / max(time.perf_counter() - self.started, 1e-9):,.0f}", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def plan_batches(lengths: list[int], batch_size: int, bucket: bool = True) -> list[list[int]]:
+    """Positions of each batch. ``bucket``: longest first, so rows of like length share a batch
+    (less padding; the longest batch comes first, so running out of memory shows at once)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)) if bucket else list(range(len(lengths)))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
 @torch.inference_mode()
@@ -133,36 +171,31 @@ def collect_prior(
     transform: str = "softmax",
     batch_size: int = 8,
     pad_id: int = 0,
-    progress: bool = True,
+    progress: bool | Progress = True,
+    bucket: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(prior_NSLE, span_tokens_NS)`` for ``examples`` (pure compute, no files)."""
+    """``(prior_NSLE, span_tokens_NS)`` for ``examples``, in their order (pure compute, no files)."""
     if transform not in ROUTER_TRANSFORMS:
         raise ValueError(f"router transform must be one of {ROUTER_TRANSFORMS}, got {transform!r}")
     num_experts = layers[0].router.weight.shape[0]
     prior = torch.zeros(len(examples), NUM_SPANS, len(layers), num_experts, dtype=torch.float32)
     counts = torch.zeros(len(examples), NUM_SPANS, dtype=torch.int64)
     device = next(model.parameters()).device
-    total_tokens, started = 0, time.perf_counter()
-    bar = tqdm(total=len(examples), unit="row", desc="collect", disable=not progress, dynamic_ncols=True)
+    bar = progress if isinstance(progress, Progress) else Progress(len(examples), progress)
     with SpanAccumulator(layers, transform) as acc:
-        row = 0
-        for batch in batches(examples, batch_size):
-            b = collate(batch, pad_id)
+        for positions in plan_batches([len(e) for e in examples], batch_size, bucket):
+            b = collate([examples[i] for i in positions], pad_id)
             acc.span_BT = b["span_ids"].to(device)
             model(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device), use_cache=False)
-            sums_LBSE = acc.take().cpu()
-            sums_BSLE = sums_LBSE.permute(1, 2, 0, 3)
+            sums_BSLE = acc.take().cpu().permute(1, 2, 0, 3)
             counts_BS = span_counts(b["span_ids"])
-            n = len(batch)
-            # eq. 2; every span has tokens (load_labelled rejects rows where one has none)
-            prior[row : row + n] = sums_BSLE / counts_BS[:, :, None, None]
-            counts[row : row + n] = counts_BS
-            row += n
-            total_tokens += int(b["attention_mask"].sum())
-            elapsed = max(time.perf_counter() - started, 1e-9)
-            bar.update(n)
-            bar.set_postfix(tok_s=f"{total_tokens / elapsed:,.0f}", refresh=False)
-    bar.close()
+            rows = torch.tensor(positions)
+            # eq. 2; every span has tokens (rows where one has none are rejected up front)
+            prior[rows] = sums_BSLE / counts_BS[:, :, None, None]
+            counts[rows] = counts_BS
+            bar.update(len(positions), int(b["attention_mask"].sum()))
+    if bar is not progress:
+        bar.close()
     return prior, counts
 
 
@@ -180,58 +213,96 @@ def collect(
     adapter: str | None = None,
     progress: bool = True,
     device: str = "auto",
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    bucket: bool = True,
 ) -> PriorArtifact:
-    """Collect the prior of ``model_id`` over ``data_jsonl`` and write it atomically to ``out_path``.
+    """Collect the prior of ``model_id`` over ``data_jsonl`` into ``out_path``, chunk by chunk.
 
-    Every check that needs no model compute runs first: the transform, the adapter,
-    the model's top-k, and every row of the data file (all bad rows reported at once).
+    Every check that needs no model compute runs first: the arguments, every row of the data
+    file (all bad rows reported at once), an interrupted run's record against this one, the
+    model's top-k. Run under ``torchrun`` or ``accelerate launch``, each process takes its share
+    of the chunks; rerun after an interruption, only the missing chunks are computed. Returns
+    the artifact, memory-mapped.
     """
     if router_transform not in ROUTER_TRANSFORMS:
         raise ValueError(f"--router-transform must be one of {ROUTER_TRANSFORMS}, got {router_transform!r}")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if chunk_rows < 1:
+        raise ValueError(f"--chunk-rows must be >= 1, got {chunk_rows}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     tokenizer_id = tokenizer_id or model_id
     tokenizer = load_tokenizer(tokenizer_id, trust_remote_code)
-    data = load_labelled(data_jsonl, tokenizer, max_seq_len)  # raises DataError before any compute
-
-    model, facts = load_base_model(model_id, dtype, adapter, device)
-    model_top_k = getattr(model.config, facts.top_k_config)
-    if top_k != model_top_k:
-        raise ValueError(f"--top-k {top_k} does not match the model's own top-k ({facts.top_k_config}={model_top_k})")
-    layers = find_moe_layers(model, facts)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    prior, counts = collect_prior(model, layers, data.examples, router_transform, batch_size, pad_id, progress)
-
-    digests = row_digests(data_jsonl)
-    metadata = {
+    template = ChatTemplate(tokenizer)
+    rows = scan_rows(data_jsonl, template, max_seq_len)  # raises DataError before any compute
+    run = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "rpb_version": rpb.__version__,
         "model": str(model_id),
-        "model_type": model.config.model_type,
-        "adapter": facts.model_type,
-        "model_config_sha256": config_sha256(model.config),
-        "routers_sha256": routers_sha256(layers, facts),
         "tokenizer": str(tokenizer_id),
-        "chat_template_sha256": ChatTemplate(tokenizer).sha256,
+        "chat_template_sha256": template.sha256,
         "router_transform": router_transform,
         "top_k": int(top_k),
         "max_seq_len": int(max_seq_len),
         "routed_positions": ROUTED_ALL_POSITIONS,
-        "moe_layers": [m.layer_index for m in layers],
-        "num_experts": int(prior.shape[-1]),
-        "num_rows": data.num_rows,
-        "num_tokens": data.num_tokens,
-        "data_sha256": data.sha256,
+        "num_rows": rows.num_rows,
+        "num_tokens": rows.num_tokens,
+        "data_sha256": rows.sha256,
         "data_file": Path(data_jsonl).name,
         "spans": list(SPAN_NAMES),
         "dtype": dtype,
     }
-    artifact = PriorArtifact(
-        prior_qa=prior,
-        span_tokens=counts,
-        row_sha256=torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).view(-1, 32),
-        metadata=metadata,
-    )
-    save_artifact(artifact, out_path)
-    return artifact
+    WorkDir(out_path, run, chunk_rows).check()  # a mismatched interrupted run is refused before the model loads
+
+    with ranks() as rk:
+        model, facts = load_base_model(model_id, dtype, adapter, str(resolve_device(device, rk.local_rank)))
+        model_top_k = getattr(model.config, facts.top_k_config)
+        if top_k != model_top_k:
+            raise ValueError(
+                f"--top-k {top_k} does not match the model's own top-k ({facts.top_k_config}={model_top_k})"
+            )
+        layers = find_moe_layers(model, facts)
+        run |= {
+            "model_type": model.config.model_type,
+            "adapter": facts.model_type,
+            "model_config_sha256": config_sha256(model.config),
+            "routers_sha256": routers_sha256(layers, facts),
+            "moe_layers": [m.layer_index for m in layers],
+            "num_experts": int(layers[0].router.weight.shape[0]),
+        }
+        store = WorkDir(out_path, run, chunk_rows)
+        if rk.main:
+            store.prepare()
+        rk.barrier()
+        store.check()  # every rank raises alike on a mismatch, so none waits at a barrier for another
+        try:
+            done = store.done()
+            rk.barrier()  # every rank has listed the finished chunks before any rank writes one
+            todo = [c for c in store.chunks if c not in done][rk.rank :: rk.world]
+            if done and rk.main:
+                print(f"resuming {store.path}: {len(done)} of {len(store.chunks)} chunk(s) done", file=sys.stderr)
+            share = sum(b - a for a, b in todo)
+            if rk.world > 1:
+                print(f"rank {rk.rank}/{rk.world}: {len(todo)} chunk(s), {share} row(s) to collect", file=sys.stderr)
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            bar = Progress(share, progress and rk.main)  # rank 0's share stands for all
+            for a, b in todo:
+                examples = label_range(rows, template, max_seq_len, a, b)
+                prior, counts = collect_prior(
+                    model, layers, examples, router_transform, batch_size, pad_id, progress=bar, bucket=bucket
+                )
+                store.write_chunk(a, b, prior, counts, rows.row_sha256(a, b))
+                del examples, prior, counts  # else the last chunk's prior lives on through the next one's compute
+            bar.close()
+            rk.barrier()
+            if rk.main:
+                store.assemble(run, len(layers), run["num_experts"], rows.digests)
+                store.remove()
+            rk.barrier()
+        except BaseException:
+            if rk.world == 1:
+                store.remove_if_empty()  # keep finished chunks to resume from; an empty directory is noise
+            raise
+    return load_artifact(out_path)
