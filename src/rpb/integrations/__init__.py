@@ -1,0 +1,1 @@
+"""Training frameworks other than the Hugging Face Trainer (each imported lazily, as an optional extra)."""
