@@ -19,7 +19,14 @@ from rpb.artifact import METADATA_KEY
 from rpb.cli import main as rpb_main
 from rpb.config import ConfigError
 from rpb.data import file_sha256
-from rpb.integrations.megatron.bridge import SAMPLE_KEY, SPAN_KEY, ContextIterator, micro_batch
+from rpb.integrations.megatron.bridge import (
+    ANCHOR_LOSS_KEY,
+    SAMPLE_KEY,
+    SPAN_KEY,
+    ContextIterator,
+    anchored_loss,
+    micro_batch,
+)
 from rpb.integrations.megatron.config import PAPER, load_megatron_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "moonlight"
@@ -50,12 +57,11 @@ def test_overrides_and_every_problem_at_once():
         load_megatron_config(
             CONFIG,
             ["parallel.context=2", "parallel.pipeline=2", "moe.router_fusion=true", "moe.mtp_num_layers=1",
-             "anchor.method=kl-to-base", "anchor.lambda=0.1", "train.global_batch_size=100", "data.packed=true",
-             "nope.key=1"],
+             "anchor.method=within-soft", "train.global_batch_size=100", "data.packed=true", "nope.key=1"],
         )  # fmt: skip
     text = str(err.value)
     for needle in (
-        "parallel.context", "parallel.pipeline", "moe.router_fusion", "moe.mtp_num_layers", "'kl-to-base'",
+        "parallel.context", "parallel.pipeline", "moe.router_fusion", "moe.mtp_num_layers", "'within-soft'",
         "train.global_batch_size", "data.packed", "nope: unknown key",
     ):  # fmt: skip
         assert needle in text, needle
@@ -123,3 +129,51 @@ def test_context_iterator_sets_each_micro_batch_and_hands_bridge_its_keys():
     assert handle.calls == [([[0, 0, 0, -1]], [[0, 1, -1, -1]])]
     next(it)
     assert handle.calls[-1][0] == [[1, 1, 1, -1]]
+
+
+def test_loss_anchors_validate_as_on_the_hf_path():
+    """Every HF method but the within-* controls runs here; only the prior-based ones need a prior."""
+    for method, extra in (("lbl", "anchor.lbl_coef=0.01"), ("router-l2", "anchor.lambda=0.1"),
+                          ("kl-to-base", "anchor.lambda=0.1"), ("logit-l2", "anchor.lambda=0.1"),
+                          ("router-freeze", "anchor.beta=1.0")):  # fmt: skip
+        cfg = load_megatron_config(CONFIG, [f"anchor.method={method}", extra, "prior=''"])
+        assert cfg.anchor.method == method
+    with pytest.raises(ConfigError) as err:
+        load_megatron_config(CONFIG, ["anchor.method=lbl", "anchor.lbl_coef=0.01", "moe.aux_loss_coeff=0.001"])
+    assert "moe.aux_loss_coeff" in str(err.value)
+    with pytest.raises(ConfigError, match=r"anchor\.lambda: required"):
+        load_megatron_config(CONFIG, ["anchor.method=kl-to-base"])
+    with pytest.raises(ConfigError, match=r"train\.recompute_granularity: full recomputation"):
+        load_megatron_config(
+            CONFIG, ["anchor.method=logit-l2", "anchor.lambda=0.1", "train.recompute_granularity=full"]
+        )
+    with pytest.raises(ConfigError, match=r"prior: required by anchor\.method 'rpb-hard'"):
+        load_megatron_config(CONFIG, ["anchor.method=rpb-hard", "prior=''"])
+
+
+def test_anchored_loss_adds_the_term_once_per_micro_batch():
+    """Megatron divides the loss function's sum by its token count: the term enters as term * num_tokens."""
+
+    class Handle:
+        loss_shares = 2  # two sequence-parallel ranks, each returning half the term
+
+        def __init__(self):
+            self.term = torch.tensor(0.25, requires_grad=True)
+
+        def loss(self):
+            return self.term
+
+    def bridge_loss(output_tensor):
+        losses, mask = output_tensor, torch.tensor([1.0, 1.0, 0.0, 1.0])
+        total, num_tokens = (losses * mask).sum(), mask.sum().to(torch.int)
+        return total, num_tokens, {"lm loss": torch.stack([total.detach(), num_tokens.float()])}
+
+    handle, output = Handle(), torch.tensor([1.0, 2.0, 5.0, 3.0])
+    loss, num_tokens, report = anchored_loss(bridge_loss, handle, output)
+    assert int(num_tokens) == 3 and float(loss.detach() / num_tokens) == pytest.approx(6.0 / 3 + 0.25)
+    loss.backward()
+    assert float(handle.term.grad) == 3.0  # after Megatron's division by num_tokens: d/dterm = 1
+    assert report["lm loss"].tolist() == [6.0, 3.0] and report[ANCHOR_LOSS_KEY].tolist() == [0.5, 1.0]
+    # a micro-batch without targets still adds its routers' term
+    empty, _, _ = anchored_loss(lambda o: (o.sum() * 0, torch.tensor(0, dtype=torch.int), {}), Handle(), output)
+    assert float(empty.detach()) == pytest.approx(0.25)

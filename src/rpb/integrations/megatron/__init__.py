@@ -11,6 +11,9 @@ Usage inside a Megatron training loop (pipeline-parallel size 1)::
     handle.set_micro_batch(sample_index_BS, span_BS)
     ...
     handle.remove()
+
+The loss-based anchors (lbl, router-l2, kl-to-base, logit-l2) add ``handle.loss()`` in the
+forward step's loss function, after the forward (``bridge.anchored_loss`` does it for Bridge).
 """
 
 from rpb.integrations.megatron.layout import ROUTED_ALL_BUT_LAST, ROUTED_ALL_POSITIONS, pack_thd, router_rows
@@ -20,6 +23,7 @@ from rpb.integrations.megatron.router import (
     MegatronAnchorHandle,
     MegatronRouter,
     find_topk_routers,
+    freeze_router_parameters,
     install_megatron_anchor,
     megatron_select,
 )
@@ -33,6 +37,7 @@ __all__ = [
     "MegatronAnchorHandle",
     "MegatronRouter",
     "find_topk_routers",
+    "freeze_router_parameters",
     "install_megatron_anchor",
     "megatron_routers_sha256",
     "megatron_run_facts",

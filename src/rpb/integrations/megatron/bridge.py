@@ -18,11 +18,18 @@ the routers' fingerprint is the base model's), checks the prior, and wraps the d
 iterator so that each micro-batch sets the anchor's (sample, span) context before Bridge's
 own ``forward_step`` runs it. With pipeline parallelism 1 each micro-batch's backward runs
 before the next micro-batch is read, so the context is in place for recomputation.
+
+Loss. For the loss-based anchors (lbl, router-l2, kl-to-base, logit-l2) the forward step wraps
+Bridge's loss function in ``anchored_loss``, which adds the anchor's term for the micro-batch
+that just ran forward (``handle.loss()``) and reports it as ``rpb anchor loss``. router-freeze
+freezes the routers with a pre-wrap hook (``build_container``), before DDP and the optimizer
+take the trainable parameters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -34,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_KEY = "rpb_sample_index"
 SPAN_KEY = "rpb_span"
+#: the key of the anchor's loss term in the loss function's report (logged beside "lm loss")
+ANCHOR_LOSS_KEY = "rpb anchor loss"
 
 
 def micro_batch(
@@ -89,6 +98,25 @@ class ContextIterator:
         return batch
 
 
+def anchored_loss(loss_fn, handle, output_tensor):
+    """Bridge's loss function for one micro-batch plus the anchor's term; ``(loss, num_tokens, report)``.
+
+    ``loss_fn(output_tensor)`` returns Bridge's ``(sum of the token losses, num_tokens, report)``.
+    Megatron then divides the loss by ``num_tokens`` and the number of micro-batches (or, with
+    ``calculate_per_token_loss``, the gradients by the tokens of the whole batch), so the term,
+    a per-micro-batch mean like the HF path's, enters as ``term * num_tokens``: it is added
+    once per micro-batch, as Megatron adds its own auxiliary losses. The report gets the whole
+    term (all TP ranks' shares) as ``[value, 1]``, which Bridge averages over micro-batches and
+    data-parallel ranks.
+    """
+    loss, num_tokens, report = loss_fn(output_tensor)
+    term = handle.loss()
+    # a micro-batch without targets still carries its routers' term (Megatron clamps the count too)
+    loss = loss + term * num_tokens.clamp(min=1).to(term.device)
+    value = term.detach().float().reshape(1) * handle.loss_shares
+    return loss, num_tokens, {**report, ANCHOR_LOSS_KEY: torch.cat([value, torch.ones_like(value)])}
+
+
 # ---- everything below imports megatron.bridge --------------------------------------------------
 def build_container(cfg):
     """The Bridge ``ConfigContainer``: the Moonlight SFT recipe with the run's (the paper's) settings."""
@@ -118,6 +146,11 @@ def build_container(cfg):
     model.moe_router_enable_expert_bias = m.expert_bias == "frozen"
     model.moe_router_bias_update_rate = 0.0
     model.moe_router_fusion = m.router_fusion
+    if cfg.anchor.method == "router-freeze":
+        from rpb.integrations.megatron.router import freeze_router_parameters
+
+        # before DDP and the optimizer take the trainable parameters (install checks it)
+        model.register_pre_wrap_hook(freeze_router_parameters)
 
     c.train.train_iters = t.steps
     c.train.global_batch_size = t.global_batch_size
@@ -209,7 +242,11 @@ class AnchoredForwardStep:
 
         if self.handle is None:
             self.handle = self.prepared.install(model, first_step=state.train_state.step == 0)
-        return forward_step(state, ContextIterator(data_iterator, self.handle), model, return_schedule_plan)
+        output, loss_fn = forward_step(state, ContextIterator(data_iterator, self.handle), model, return_schedule_plan)
+        if return_schedule_plan or self.handle.method.loss is None:
+            return output, loss_fn
+        # Megatron calls the loss function right after this forward, while its context is set
+        return output, functools.partial(anchored_loss, loss_fn, self.handle)
 
 
 @dataclass
@@ -222,11 +259,19 @@ class PreparedData:
     artifact: object | None
 
     def install(self, model, first_step: bool):
+        from rpb.anchors.methods import get_method
         from rpb.integrations.megatron.layout import ROUTED_ALL_POSITIONS
         from rpb.integrations.megatron.router import find_topk_routers, install_megatron_anchor
         from rpb.integrations.megatron.verify import megatron_run_facts, verify_megatron_prior
 
         cfg, meta = self.cfg, self.artifact.metadata if self.artifact is not None else None
+        if not first_step and get_method(cfg.anchor.method).needs_base_router:
+            # the base copies are taken at install: on a resumed run they would be the trained routers
+            raise RuntimeError(
+                f"anchor.method {cfg.anchor.method!r} compares the routers with the base model's, copied when the "
+                "anchor is installed; a resumed run would copy the trained routers instead: start from the base "
+                "checkpoint (no checkpoint.load of this run)"
+            )
         sigma_LE = None
         if meta is not None:
             from rpb.data import ChatTemplate
@@ -241,6 +286,7 @@ class PreparedData:
                 chat_template_sha256=ChatTemplate(self.tokenizer).sha256,
                 max_seq_len=meta["max_seq_len"],
                 routed_positions=ROUTED_ALL_POSITIONS,
+                router_transform=cfg.anchor.router_transform,
             )
             if not first_step:
                 # resumed: the routers have trained, so their fingerprint is no longer the base model's
@@ -256,7 +302,11 @@ class PreparedData:
                 E, L = self.artifact.prior_qa.shape[-1], self.artifact.prior_qa.shape[2]
                 sigma_LE = layer_permutations(None, E, cfg.anchor.shuffle_seed, "global", L)
         prior = self.artifact.prior_qa if self.artifact is not None else None
-        handle = install_megatron_anchor(model, cfg.anchor, prior=prior, sigma_LE=sigma_LE)
+        anchor = cfg.anchor
+        if anchor.router_transform is None and meta is not None:
+            # kl-to-base compares distributions under the prior's transform, as rpb train does
+            anchor = dataclasses.replace(anchor, router_transform=meta["router_transform"])
+        handle = install_megatron_anchor(model, anchor, prior=prior, sigma_LE=sigma_LE)
         for note in handle.notes:
             logger.warning("rpb: %s", note)
         return handle

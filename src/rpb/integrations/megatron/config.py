@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from rpb.anchors.handle import AnchorConfig
+from rpb.anchors.methods import METHODS
 from rpb.config import ConfigError, _build, _set_dotted
 from rpb.integrations.megatron.router import SUPPORTED_METHODS
 from rpb.train_data import LOSS_ON
@@ -211,6 +212,7 @@ def validate_megatron_config(cfg: MegatronRunConfig) -> list[str]:
         if not value:
             out.append(f"{key}: required")
     out += cfg.anchor.problems()
+    method = METHODS.get(cfg.anchor.method)  # None: anchor.problems() names it
     usable = [m for m in SUPPORTED_METHODS if m not in NEEDS_COMMUNITIES]
     if cfg.anchor.method in NEEDS_COMMUNITIES:
         out.append(
@@ -221,8 +223,19 @@ def validate_megatron_config(cfg: MegatronRunConfig) -> list[str]:
         out.append(
             f"anchor.method: {cfg.anchor.method!r} has no Megatron-Core implementation; one of {', '.join(usable)}"
         )
-    elif cfg.anchor.method != "sft" and not cfg.prior:
+    elif method.needs_prior and not cfg.prior:
         out.append(f"prior: required by anchor.method {cfg.anchor.method!r} (collect one with `rpb collect`)")
+    if method is not None and method.loss == "lbl" and cfg.moe.aux_loss_coeff > 0:
+        out.append(
+            f"moe.aux_loss_coeff: {cfg.moe.aux_loss_coeff}; anchor.method 'lbl' adds the load-balancing loss "
+            "itself (anchor.lbl_coef), so Megatron's native one must be off (0)"
+        )
+    forward_loss = method is not None and method.loss in ("lbl", "kl-to-base", "logit-l2")
+    if forward_loss and cfg.train.recompute_granularity == "full":
+        out.append(
+            "train.recompute_granularity: full recomputation runs the routers' first forward without grad, "
+            f"so {method.name}'s loss term could not train them; use selective"
+        )
 
     p, t = cfg.parallel, cfg.train
     sizes = [

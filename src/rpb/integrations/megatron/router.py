@@ -29,6 +29,46 @@ In eval mode, or with no micro-batch context set, the original ``routing`` runs 
 The context stays set until the next micro-batch or ``clear()``, so activation recomputation
 during backward routes alike. Pipeline parallelism (micro-batches interleave their forward
 and backward passes) and context parallelism are refused; the paper used neither.
+
+The loss-based anchors (``lbl``, ``router-l2``, ``kl-to-base``, ``logit-l2``) and
+``router-freeze`` keep Megatron's own selection and follow the HF path (``rpb.anchors.handle``)
+term for term, with the math of ``rpb.losses``:
+
+* ``router-freeze``: every router parameter (the weight, and the gating bias a router built with
+  ``add_bias_linear`` has) gets ``requires_grad=False`` until ``remove()``. Megatron's DDP and
+  optimizer take the trainable parameters when they wrap the model, so freeze before that
+  (``freeze_router_parameters`` as a Bridge pre-wrap hook); a router parameter that already has
+  Megatron's ``main_grad`` buffer is refused.
+* ``router-l2``: ``lambda * mean over routers of ||W - W_base||^2`` (plus the same term for a
+  gating bias), ``W_base`` a float32 copy taken at install on the router's device. Megatron's
+  router weight is a full ``[E, H]`` parameter on every TP rank (replicated, never sharded), so
+  the copy is the whole matrix. The term is computed from the weights in ``loss()``, so it
+  reaches them under any activation recomputation.
+* ``kl-to-base`` / ``logit-l2``: the base logits of the same tokens, ``linear(x, W_base)`` in
+  float32 on the router input ``x`` that ``gating`` receives (after any input jitter); the
+  router's ``gating`` is wrapped on the instance only to hand that input to ``routing``.
+* ``lbl``: ``rpb.losses.load_balancing_sigmoid`` (sigmoid routers; Megatron's ``aux_loss`` form)
+  or ``load_balancing_softmax`` (transformers' form, ``k`` times Megatron's) on the unbiased
+  logits, exactly the HF path's term, not Megatron's native auxiliary loss (which must be off:
+  ``moe_aux_loss_coeff=0``, else it would count twice).
+
+Which tokens count: as on the HF path, every token that is not padding (sample -1), structural
+ones included, and also not marked by Megatron's padding mask; each term is a mean over them.
+The terms are recorded in ``routing`` (train mode, context set) and ``handle.loss()`` returns
+``coef * mean over routers``; a Megatron loss function adds it (see ``bridge.anchored_loss``).
+
+Tensor parallelism. Without sequence parallelism every TP rank routes the whole micro-batch and
+keeps its own (identical) router gradient, so ``loss()`` is the whole term. With it, each rank
+routes its sequence shard, and Megatron sums the router's gradients over the TP group (the
+weight is marked ``sequence_parallel``): each rank gathers the micro-batch's rows (all-gather
+forward, reduce-scatter backward), computes the whole term and returns ``1 / tp`` of it, so the
+ranks' shares add up to the HF term and their gradients to its gradient (``loss_shares`` says
+how many shares there are, for logging the whole value).
+
+The terms built from the forward (``lbl``, ``kl-to-base``, ``logit-l2``) need the router's
+forward to run with gradients: Megatron's reentrant recomputation of whole layers
+(``recompute_granularity="full"``) or of the MoE layer (``recompute_modules`` with ``"moe"``)
+runs the first forward without them, so those settings are refused for these methods.
 """
 
 from __future__ import annotations
@@ -36,11 +76,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from rpb import losses
 from rpb.anchors.context import TokenContext
 from rpb.anchors.handle import AnchorConfig
 from rpb.anchors.methods import Method, get_method
@@ -50,9 +92,25 @@ from rpb.prior import STRUCTURAL
 
 logger = logging.getLogger(__name__)
 
-#: anchors whose whole effect is the routing choice (plus sft, which installs nothing)
-SUPPORTED_METHODS = ("sft", "rpb", "rpb-hard", "within-soft", "within-hard", "global-hard")
+#: every method of the HF path (``rpb.anchors.methods``); a method added there is refused here until implemented
+SUPPORTED_METHODS = (
+    "sft",
+    "lbl",
+    "rpb",
+    "router-l2",
+    "kl-to-base",
+    "logit-l2",
+    "rpb-hard",
+    "within-soft",
+    "within-hard",
+    "global-hard",
+    "router-freeze",
+)
 _TOPK_ROUTING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+#: loss terms computed from the router's forward (router-l2 is computed from the weights alone)
+_FORWARD_LOSSES = ("lbl", "kl-to-base", "logit-l2")
+#: loss terms that compare with the base router's logits
+_BASE_LOGIT_LOSSES = ("kl-to-base", "logit-l2")
 
 
 class MegatronAnchorError(ValueError):
@@ -123,17 +181,35 @@ def megatron_select(router: nn.Module, logits_TE: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class MegatronRouter:
-    """One installed router: its position in the prior's layer axis and its global layer number."""
+    """One installed router: its position in the prior's layer axis and its global layer number.
+
+    ``base_weight_EH`` / ``base_bias_E``: the router's weight (and gating bias, if it has one) as
+    installed, float32 and frozen; kept only for the methods that compare with the base router.
+    """
 
     pos: int
     name: str
     module: nn.Module
     layer_number: int
+    base_weight_EH: torch.Tensor | None = None
+    base_bias_E: torch.Tensor | None = None
 
     @property
     def hf_layer_index(self) -> int:
         """The 0-based decoder-layer index (Megatron numbers layers from 1)."""
         return self.layer_number - 1
+
+    def base_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The base copies on ``device`` (``gating`` may move the weights to CUDA after install)."""
+        if self.base_weight_EH.device != device:
+            self.base_weight_EH = self.base_weight_EH.to(device)
+            if self.base_bias_E is not None:
+                self.base_bias_E = self.base_bias_E.to(device)
+        return self.base_weight_EH, self.base_bias_E
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The router's own parameters: its weight and, with ``add_bias_linear``, its gating bias."""
+        return list(self.module.parameters(recurse=False))
 
 
 @dataclass
@@ -146,8 +222,13 @@ class MegatronAnchorHandle:
     tp_size: int = 1
     sequence_parallel: bool = False
     notes: list[str] = field(default_factory=list)
+    #: stand-in for the TP all-gather of router rows (forward all-gather, backward reduce-scatter);
+    #: None: Megatron's ``gather_from_sequence_parallel_region`` on the routers' TP group
+    gather_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
     _context: TokenContext | None = None
     _restore: list = field(default_factory=list)
+    #: the input each router's ``gating`` received, picked up by the ``routing`` call that follows
+    _inputs: dict = field(default_factory=dict)
 
     # ---- per-micro-batch context -----------------------------------------------------
     def set_micro_batch(self, sample_BS: torch.Tensor, span_BS: torch.Tensor) -> TokenContext:
@@ -157,7 +238,8 @@ class MegatronAnchorHandle:
         (``[micro_batch, seq_len]``; a packed THD micro-batch is ``[1, total_len]``, see
         ``layout.pack_thd``); padding has sample -1. The handle lays them out as this TP rank's
         routers see their rows. The context stays set -- through backward and any
-        recomputation -- until the next call or ``clear()``.
+        recomputation -- until the next call or ``clear()``; the anchor's loss terms of the
+        micro-batch live in it.
         """
         if sample_BS.shape != span_BS.shape:
             raise ValueError(f"sample index {tuple(sample_BS.shape)} and span {tuple(span_BS.shape)} differ in shape")
@@ -170,6 +252,7 @@ class MegatronAnchorHandle:
 
     def clear(self) -> None:
         self._context = None
+        self._inputs = {}
 
     @contextlib.contextmanager
     def step(self, sample_BS: torch.Tensor, span_BS: torch.Tensor):
@@ -180,13 +263,148 @@ class MegatronAnchorHandle:
         finally:
             self.clear()
 
-    # ---- the replacement routing ------------------------------------------------------------
+    # ---- the loss term -----------------------------------------------------------------
+    @property
+    def loss_shares(self) -> int:
+        """How many TP ranks each return a share of the term: ``tp_size`` under sequence parallelism, else 1."""
+        return self.tp_size if self._split else 1
+
+    def loss(self) -> torch.Tensor:
+        """This rank's share of the anchor's loss term for the current micro-batch (coefficient applied; 0 for none).
+
+        ``coef * mean over routers`` of the per-router terms recorded by the micro-batch's
+        forward in train mode, as ``AnchorHandle.loss()``. Call it after the forward and before
+        the context moves on (Megatron calls the loss function right after the forward step).
+        Under sequence parallelism it is ``1 / tp`` of the whole term (see the module doc);
+        ``loss() * loss_shares`` is the whole value, for logging.
+        """
+        ctx, kind = self._context, self.method.loss
+        if kind is None or ctx is None:
+            return torch.zeros((), device=self.routers[0].module.weight.device)
+        # router-l2 from the weights, now: Megatron's reentrant recomputation runs the forward
+        # without grad, so a term built there could not train them
+        terms = [
+            self._router_l2(r) if kind == "router-l2" else ctx.cache[("term", r.pos)]
+            for r in self.routers
+            if ("recorded", r.pos) in ctx.cache
+        ]
+        if not terms:
+            return torch.zeros((), device=self.routers[0].module.weight.device)
+        coef = self.config.lambda_ if self.method.coefficient == "lambda" else self.config.lbl_coef
+        term = coef * torch.stack(terms).mean()
+        trainable = any(p.requires_grad for r in self.routers for p in r.parameters())
+        if torch.is_grad_enabled() and trainable and not term.requires_grad:
+            raise RuntimeError(
+                f"{self.method.name}: the routers ran without gradients in this micro-batch, so the anchor's loss "
+                "term cannot train them; Megatron's reentrant recomputation (recompute_granularity=full, or "
+                "'moe' in recompute_modules) runs the first forward without grad: recompute other modules"
+            )
+        return term
+
+    def _router_l2(self, r: MegatronRouter) -> torch.Tensor:
+        w = r.module.weight
+        base_weight_EH, base_bias_E = r.base_on(w.device)
+        term = losses.router_l2(w, base_weight_EH)
+        if base_bias_E is not None:
+            # the gating bias is part of the router, anchored like its weight (HF routers have none)
+            term = term + losses.router_l2(r.module.bias, base_bias_E)
+        # every TP rank holds the whole weight; under sequence parallelism Megatron sums its
+        # gradient over the TP group, so each rank contributes 1 / tp
+        return term / self.tp_size if self._split else term
+
+    @property
+    def _split(self) -> bool:
+        return self.sequence_parallel and self.tp_size > 1
+
+    def _gather(self, x_TC: torch.Tensor) -> torch.Tensor:
+        """This rank's rows -> the micro-batch's rows (rank order is position order, see ``layout``)."""
+        if self.gather_rows is not None:
+            return self.gather_rows(x_TC)
+        group = self.routers[0].module.tp_group
+        if group.size() != self.tp_size:
+            raise RuntimeError(
+                f"the routers' TP group has {group.size()} rank(s) but the handle lays out tp_size={self.tp_size}; "
+                "the loss terms under sequence parallelism need the real group (or a gather_rows stand-in)"
+            )
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        return gather_from_sequence_parallel_region(x_TC, tensor_parallel_output_grad=True, group=group)
+
+    def _record_loss(self, r: MegatronRouter, logits, hidden, padding_mask, ctx: TokenContext) -> None:
+        """Record router ``r``'s term for this micro-batch (the first call's; a recomputed forward adds nothing)."""
+        kind = self.method.loss
+        logits_TE = logits.reshape(-1, logits.shape[-1])
+        self._check_rows(r, logits_TE.shape[0], ctx)
+        first_call = ("recorded", r.pos) not in ctx.cache
+        ctx.cache[("recorded", r.pos)] = True
+        if kind == "router-l2":
+            return  # computed from the weights in loss()
+        valid_T = ctx.valid_T.to(logits_TE.device)
+        if padding_mask is not None:
+            valid_T = valid_T & ~padding_mask.reshape(-1).to(valid_T.device).bool()
+        parts = [logits_TE.float()]
+        if kind in _BASE_LOGIT_LOSSES:
+            if hidden is None:
+                raise RuntimeError(
+                    f"router {r.name}: routing() ran without a gating() call before it, so {kind} has no router "
+                    "input to compute the base logits from; run the router's forward"
+                )
+            base_weight_EH, base_bias_E = r.base_on(logits_TE.device)
+            # as the HF path: float32, and the input keeps its graph (the base logits depend on it too)
+            hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()
+            parts.append(nn.functional.linear(hidden_TH, base_weight_EH, base_bias_E))
+        if self._split:
+            # the whole micro-batch's rows on every rank: one gather, the mask riding along as a column
+            rows_TC = self._gather(torch.cat([*parts, valid_T[:, None].float()], dim=-1))
+            E = logits_TE.shape[-1]
+            parts = [rows_TC[:, i * E : (i + 1) * E] for i in range(len(parts))]
+            valid_T = rows_TC[:, -1] > 0.5
+        term = self._term(r, parts, valid_T)
+        # every rank computed the whole term; each contributes 1 / tp (module doc)
+        term = term / self.tp_size if self._split else term
+        # computed on every call, so a recomputed forward saves exactly what the first one did
+        # (non-reentrant checkpointing checks that); only the first call's term is kept
+        if first_call:
+            ctx.cache[("term", r.pos)] = term
+
+    def _term(self, r: MegatronRouter, parts: list[torch.Tensor], valid_T: torch.Tensor) -> torch.Tensor:
+        kind, logits_TE = self.method.loss, parts[0]
+        if kind == "lbl":
+            sigmoid = r.module.score_function == "sigmoid"
+            fn = losses.load_balancing_sigmoid if sigmoid else losses.load_balancing_softmax
+            return fn(logits_TE, r.module.topk, valid_T)
+        if kind == "kl-to-base":
+            return losses.kl_to_base(logits_TE, parts[1], valid_T, self.config.router_transform or "softmax")
+        return losses.logit_l2(logits_TE, parts[1], valid_T)
+
+    def _check_rows(self, r: MegatronRouter, num_rows: int, ctx: TokenContext) -> None:
+        if num_rows != ctx.num_tokens:
+            raise RuntimeError(
+                f"router {r.name} saw {num_rows} tokens but the micro-batch context lays out "
+                f"{ctx.num_tokens} (tp_rank={self.tp_rank}, tp_size={self.tp_size}, "
+                f"sequence_parallel={self.sequence_parallel}); pass the micro-batch's own sample and span tensors"
+            )
+
+    # ---- the replacement routing (and gating, which only hands routing its input) ----------
+    def _gating(self, r: MegatronRouter, original):
+        def gating(input, *args, **kwargs):
+            # the input as the router linear sees it (after input jitter), for the base logits
+            self._inputs[r.pos] = input
+            return original(input, *args, **kwargs)
+
+        return gating
+
     def _routing(self, r: MegatronRouter, original):
         def routing(logits, *args, **kwargs):
             ctx = self._context
-            if self.prior is None or ctx is None or not r.module.training:
+            hidden = self._inputs.pop(r.pos, None)
+            if ctx is None or not r.module.training:
                 return original(logits, *args, **kwargs)
             padding_mask = kwargs.get("padding_mask", args[0] if args else None)
+            if self.method.loss is not None:
+                self._record_loss(r, logits, hidden, padding_mask, ctx)
+            if self.prior is None:
+                return original(logits, *args, **kwargs)
             ids_TK = self._selection(r, logits, padding_mask, ctx)
             r.module.router_replay = _ForcedTopK(ids_TK)
             try:
@@ -198,12 +416,7 @@ class MegatronAnchorHandle:
 
     def _selection(self, r: MegatronRouter, logits, padding_mask, ctx: TokenContext) -> torch.Tensor:
         logits_TE = logits.detach().reshape(-1, logits.shape[-1])
-        if logits_TE.shape[0] != ctx.num_tokens:
-            raise RuntimeError(
-                f"router {r.name} saw {logits_TE.shape[0]} tokens but the micro-batch context lays out "
-                f"{ctx.num_tokens} (tp_rank={self.tp_rank}, tp_size={self.tp_size}, "
-                f"sequence_parallel={self.sequence_parallel}); pass the micro-batch's own sample and span tensors"
-            )
+        self._check_rows(r, logits_TE.shape[0], ctx)
         tables = self.prior.tables(ctx, logits_TE.device)
         content_T = tables.content_T
         if padding_mask is not None:
@@ -221,10 +434,12 @@ class MegatronAnchorHandle:
 
     # ---- removal ------------------------------------------------------------------
     def remove(self) -> None:
-        self._context = None
+        self.clear()
         for restore in reversed(self._restore):
             restore()
         self._restore = []
+        for r in self.routers:
+            r.base_weight_EH = r.base_bias_E = None
 
 
 def find_topk_routers(model) -> list[MegatronRouter]:
@@ -245,12 +460,8 @@ def find_topk_routers(model) -> list[MegatronRouter]:
 def _install_problems(routers: list[MegatronRouter], method: Method) -> list[str]:
     out = []
     if method.name not in SUPPORTED_METHODS:
-        hint = {
-            "lbl": "use Megatron's own moe_router_load_balancing_type=aux_loss with moe_aux_loss_coeff",
-            "router-freeze": "freeze the router weights before the optimizer is built",
-        }.get(method.name, "its loss term has no Megatron implementation here")
         out.append(
-            f"anchor.method {method.name!r} is not supported on Megatron-Core ({hint}); supported: "
+            f"anchor.method {method.name!r} has no Megatron-Core implementation; supported: "
             f"{', '.join(SUPPORTED_METHODS)}"
         )
     if not routers:
@@ -300,12 +511,37 @@ def _install_problems(routers: list[MegatronRouter], method: Method) -> list[str
                     f"moe_router_load_balancing_type={t!r} does not route through "
                     "topk_routing_with_score_function; use aux_loss, seq_aux_loss, global_aux_loss or none"
                 )
+        if method.loss in _FORWARD_LOSSES:
+            recompute = getattr(c, "recompute_granularity", None)
+            modules = getattr(c, "recompute_modules", None) or []
+            if recompute == "full" or (recompute == "selective" and "moe" in modules):
+                out.append(
+                    f"recompute_granularity={recompute!r}, recompute_modules={modules}: Megatron's reentrant "
+                    f"recomputation runs the routers' first forward without grad, so {method.name}'s loss term "
+                    "could not train them; use selective recomputation without 'moe'"
+                )
     if any("routing" in vars(r.module) for r in routers):
         out.append("an anchor is already installed on these routers; remove() it first")
     if any(r.module.router_replay is not None for r in routers):
         out.append("moe_enable_routing_replay=True: a routing replay and the anchor would both force the top-k")
     if any(getattr(r.module, "is_mtp_layer", False) for r in routers):
         out.append("the model has multi-token-prediction routers, which the prior does not cover")
+    if method.loss == "lbl":
+        native = [r.name for r in routers if r.module.is_aux_loss_enabled()]
+        if native:
+            out.append(
+                f"lbl computes the HF path's load-balancing loss itself, and {len(native)} router(s) also add "
+                "Megatron's native auxiliary loss; set moe_aux_loss_coeff=0 (or moe_router_load_balancing_type=none)"
+            )
+    if method.freeze_router:
+        # Megatron's DDP gives each trainable parameter a main_grad buffer and the optimizer a
+        # copy: freezing after that leaves the optimizer (its weight decay) moving the router
+        wrapped = [r.name for r in routers if any(p.requires_grad and hasattr(p, "main_grad") for p in r.parameters())]
+        if wrapped:
+            out.append(
+                f"router-freeze: {len(wrapped)} router(s) are already trainable in Megatron's DDP and optimizer; "
+                "freeze them before the model is wrapped (freeze_router_parameters as a pre-wrap hook)"
+            )
     return out
 
 
@@ -326,7 +562,9 @@ def install_megatron_anchor(
     group and config (override them to lay out another rank's rows, as the tests do on one
     process). Expert biases stay as
     loaded and are frozen: ``moe_router_bias_update_rate`` is forced to 0 (logged), restored
-    by ``remove()``. Raises ``MegatronAnchorError`` listing every problem.
+    by ``remove()``. The methods that compare with the base router copy every router's weight
+    (and gating bias) here, so install on the loaded base weights, before the first optimizer
+    step. Raises ``MegatronAnchorError`` listing every problem.
     """
     problems = config.problems()
     method = get_method(config.method) if not problems else None
@@ -370,12 +608,50 @@ def install_megatron_anchor(
         sequence_parallel=bool(first.config.sequence_parallel if sequence_parallel is None else sequence_parallel),
     )
     _freeze_expert_bias(handle)
+    if method.needs_base_router:
+        for r in routers:
+            r.base_weight_EH = r.module.weight.detach().float().clone()
+            if r.module.bias is not None:
+                r.base_bias_E = r.module.bias.detach().float().clone()
+    if method.freeze_router:
+        _freeze_routers(handle)
     for r in routers:
         module = r.module
         module.routing = handle._routing(r, module.routing)
-        # deleting the instance attribute uncovers the class's own routing again
+        # deleting the instance attribute uncovers the class's own routing (and gating) again
         handle._restore.append(lambda module=module: module.__dict__.pop("routing", None))
+        if method.loss in _BASE_LOGIT_LOSSES:
+            module.gating = handle._gating(r, module.gating)
+            handle._restore.append(lambda module=module: module.__dict__.pop("gating", None))
     return handle
+
+
+def freeze_router_parameters(model):
+    """``requires_grad=False`` on every ``TopKRouter`` parameter of ``model``; returns ``model``.
+
+    Shaped as a Megatron-Bridge pre-wrap hook (``provider.register_pre_wrap_hook``): run on the
+    model chunks before DDP and the optimizer take the trainable parameters, so the routers
+    get no gradient buffer, no optimizer state and no weight decay.
+    """
+    for r in find_topk_routers(model):
+        for p in r.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def _freeze_routers(handle: MegatronAnchorHandle) -> None:
+    """router-freeze: no router parameter trains while installed; ``remove()`` restores each flag."""
+    params = [p for r in handle.routers for p in r.parameters()]
+    already = sum(not p.requires_grad for p in params)
+    for p in params:
+        handle._restore.append(lambda p=p, flag=p.requires_grad: p.requires_grad_(flag))
+        p.requires_grad_(False)
+    note = (
+        f"router-freeze: {len(params)} parameter(s) of {len(handle.routers)} router(s) frozen "
+        f"(requires_grad=False; {already} already were)"
+    )
+    handle.notes.append(note)
+    logger.warning("rpb: %s", note)
 
 
 def _freeze_expert_bias(handle: MegatronAnchorHandle) -> None:
