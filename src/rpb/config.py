@@ -132,22 +132,31 @@ def _set_dotted(tree: dict, dotted: str, raw: str, problems: list[str]) -> None:
     node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """Read ``path`` (YAML), apply ``key.sub=value`` overrides, validate; raise ConfigError listing all problems."""
-    problems: list[str] = []
-    source = str(path) if path else "command line"
+def read_tree(path: str | Path | None, overrides: list[str], problems: list[str]) -> dict:
+    """The YAML mapping of ``path`` (empty without one) with ``key.sub=value`` overrides applied.
+
+    An unreadable file raises ``ConfigError`` at once; bad overrides are added to ``problems``.
+    """
     tree: dict = {}
     if path is not None:
         try:
             tree = yaml.safe_load(Path(path).read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(source, [f"cannot read: {e}"]) from None
+            raise ConfigError(str(path), [f"cannot read: {e}"]) from None
     for item in overrides:
         if "=" not in item:
             problems.append(f"override {item!r}: expected key.sub=value")
             continue
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), raw, problems)
+    return tree
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read ``path`` (YAML), apply ``key.sub=value`` overrides, validate; raise ConfigError listing all problems."""
+    problems: list[str] = []
+    source = str(path) if path else "command line"
+    tree = read_tree(path, overrides, problems)
     cfg = _build(RunConfig, tree, "", problems)
     problems += validate(cfg)
     if problems:

@@ -11,11 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from rpb.anchors.handle import AnchorConfig
 from rpb.anchors.methods import METHODS
-from rpb.config import ConfigError, _build, _set_dotted
+from rpb.config import ConfigError, _build, read_tree
 from rpb.integrations.megatron.router import SUPPORTED_METHODS
 from rpb.train_data import LOSS_ON
 
@@ -178,19 +176,8 @@ def load_megatron_config(
 ) -> MegatronRunConfig:
     """Read, override, validate; raise ``ConfigError`` listing every problem. ``cfg.notes`` lists departures."""
     source = str(path) if path else "command line"
-    tree: dict = {}
-    if path is not None:
-        try:
-            tree = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(source, [f"cannot read: {e}"]) from None
     problems: list[str] = []
-    for item in overrides:
-        if "=" not in item:
-            problems.append(f"override {item!r}: expected key.sub=value")
-            continue
-        key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), raw, problems)
+    tree = read_tree(path, overrides, problems)
     cfg = _build(MegatronRunConfig, tree, "", problems)
     problems += validate_megatron_config(cfg)
     if check_files and not problems:
