@@ -111,8 +111,13 @@ def test_default_arithmetic_is_two_digit_operands_with_reversed_answers():
         m = re.fullmatch(r"rev (\d\d)\+(\d\d)=", task.question)
         assert m and m[1][0] != "0" and m[2][0] != "0", task
         assert task.answer == str(int(m[1]) + int(m[2]))[::-1]
-    for task in sample("math_post", 200, seed=1):
+    for task in sample("math_post", 200, seed=1):  # three-term sums: the post set's default
+        assert re.fullmatch(r"rev \d\d\+\d\d\+\d\d=", task.question), task
+    for task in sample("math_post", 200, seed=1, form="a+b-c"):
         assert re.fullmatch(r"rev \d\d\+\d\d-\d\d=", task.question), task
+        assert task.answer == _arith(task.question)  # never negative
+    with pytest.raises(ValueError, match="form"):
+        sample("math_post", 1, seed=1, form="a*b")
 
 
 def test_arithmetic_params():
@@ -125,6 +130,9 @@ def test_arithmetic_params():
     assert all(t.answer == _arith(t.question) for t in both)  # differences are never negative
     assert question_space("math", digits=1) == 100
     assert question_space("math", ops=("+", "-")) == 90 * 90 + 90 * 91 // 2
+    assert question_space("math_post") == 90**3
+    brute = sum(1 for a in range(10) for b in range(10) for c in range(10) if a + b - c >= 0)
+    assert question_space("math_post", digits=1, form="a+b-c") == brute
     with pytest.raises(ValueError, match="ops"):
         sample("math", 5, seed=0, ops=("*",))
 

@@ -1,8 +1,11 @@
-"""``rpb``: collect | validate | render | train | retention | demo. Thin: parses arguments, calls the library."""
+"""``rpb``: collect | validate | render | train | retention | demo | experiment | megatron-check.
+
+Thin: parses arguments, calls the library."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rpb.anchors.verify import PriorMismatchError
@@ -28,9 +31,12 @@ def _collect(args) -> int:
         adapter=args.adapter,
         progress=not args.no_progress,
         device=args.device,
+        chunk_rows=args.chunk_rows,
+        bucket=not args.no_bucket,
     )
     n, _, layers, experts = art.prior_qa.shape
-    print(f"wrote {args.out_path}: {n} samples x 2 spans x {layers} MoE layers x {experts} experts")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank returns the artifact; one says so
+        print(f"wrote {args.out_path}: {n} samples x 2 spans x {layers} MoE layers x {experts} experts")
     return 0
 
 
@@ -79,7 +85,21 @@ def _retention(args) -> int:
 def _demo(args) -> int:
     from rpb.demo import run_demo
 
-    return run_demo(args.out, rows=args.rows, seed=args.seed, progress=not args.no_progress)
+    return run_demo(args.out, cache_dir=args.cache_dir, progress=not args.no_progress)
+
+
+def _experiment(args) -> int:
+    import time
+
+    from rpb.toyworld.experiment import GRIDS, Study
+
+    started = time.perf_counter()
+    study = Study(args.out or f"rpb-experiment-{args.grid}", GRIDS[args.grid], cache_dir=args.cache_dir,
+                  progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)  # fmt: skip
+    tables = study.report(study.run())
+    print(tables)
+    print(f"wrote {study.out}/tables.md, results.json and plots ({time.perf_counter() - started:.0f} s this run)")
+    return 0
 
 
 def _train(args) -> int:
@@ -93,6 +113,17 @@ def _train(args) -> int:
 
     out = run_training(cfg, progress=not args.no_progress)
     print(f"saved {out}")
+    return 0
+
+
+def _megatron_check(args) -> int:
+    from rpb.integrations.megatron.config import load_megatron_config
+
+    cfg = load_megatron_config(args.config, args.overrides, check_files=args.files)
+    for note in cfg.notes:
+        print(f"note (departs from the paper): {note}")
+    print(f"{args.config}: Megatron configuration OK (anchor.method={cfg.anchor.method}, "
+          f"world size {cfg.world_size}, DP {cfg.data_parallel_size})")  # fmt: skip
     return 0
 
 
@@ -117,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--adapter", help="route this model with the adapter of another model_type")
     c.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    c.add_argument(
+        "--chunk-rows", type=int, default=256, help="rows per chunk written to <out>.partial/ (resume, shard unit)"
+    )
+    c.add_argument("--no-bucket", action="store_true", help="batch rows in file order, not by length")
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(func=_collect)
 
@@ -159,12 +194,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=_retention)
 
-    d = sub.add_parser("demo", help="the embedded default: tiny Moonlight-shaped MoE, synthetic data, prior")
+    m = sub.add_parser("megatron-check", help="validate a Megatron-Bridge run configuration (no GPU, no Bridge)")
+    m.add_argument("config", help="e.g. examples/moonlight/config.yaml")
+    m.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. train.seed=43")
+    m.add_argument("--files", action="store_true", help="also check the checkpoint, data and prior files")
+    m.set_defaults(func=_megatron_check)
+
+    d = sub.add_parser("demo", help="the paper's study in miniature: toy base -> prior -> sft, lbl, rpb -> table")
     d.add_argument("--out", default="rpb-demo")
-    d.add_argument("--rows", type=int, default=64)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
+
+    x = sub.add_parser("experiment", help="the toy-world study: every anchor x seeds x post-training sets, tables")
+    x.add_argument(
+        "--grid", default="small", choices=["full", "small", "beta"],
+        help="full: 11 methods x 3 seeds x 2 sets; small: 4 methods x 1 seed on the math set; beta: rpb over beta",
+    )  # fmt: skip
+    x.add_argument("--out", help="output directory (default: rpb-experiment-<grid>); rerun to resume")
+    x.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")
+    x.add_argument("--keep-checkpoints", action="store_true", help="keep every trained model (about 20 MB each)")
+    x.add_argument("--no-progress", action="store_true")
+    x.set_defaults(func=_experiment)
     return p
 
 
@@ -172,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may come before or after options (key=value, never starting with "-")
-    stray = [a for a in extra if a.startswith("-") or "=" not in a or args.command != "train"]
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or args.command not in ("train", "megatron-check")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    if args.command == "train":
+    if args.command in ("train", "megatron-check"):
         args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)

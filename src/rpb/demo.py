@@ -1,48 +1,38 @@
-"""The embedded default run: a tiny Moonlight-shaped MoE, synthetic data, prior, validation.
+"""The embedded default run (``rpb demo``, the README's main command): the paper's study in miniature.
 
-Everything is built locally (no downloads) and saved to disk, so the collector loads
-it through the same ``from_pretrained`` path as a real checkpoint.
+base model (cached, or pretrained in about 10 minutes on 2 CPU cores) -> post-training data
+(the math set) -> routing prior -> ``sft``, ``lbl`` and ``rpb`` post-training -> a table of
+ID / OOD exact match and routing retention (TVD, top-k overlap, NMI), with plots.
+Everything is built locally; nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from rpb.collect import collect
-from rpb.toy.data import conversations, write_jsonl
-from rpb.toy.models import build_tiny_model
-from rpb.toy.tokenizers import moonlight_tokenizer
-from rpb.validate import validate_artifact
-
-DEMO_MODEL = {"hidden_size": 64, "num_hidden_layers": 4, "n_routed_experts": 16, "num_experts_per_tok": 4}
+from rpb.toyworld.experiment import GRIDS, Study
+from rpb.toyworld.world import PostRecipe, base_dir
 
 
-def build_demo_base(out: Path, seed: int = 0) -> Path:
-    """Save the tiny Moonlight-shaped base model and its tokenizer to ``out``."""
-    tokenizer = moonlight_tokenizer()
-    model = build_tiny_model("moonlight", vocab_size=len(tokenizer), seed=seed, **DEMO_MODEL)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def run_demo(out_dir: str | Path = "rpb-demo", rows: int = 64, seed: int = 0, progress: bool = True) -> int:
-    out = Path(out_dir)
-    print(f"[1/3] building a tiny Moonlight-shaped MoE and tokenizer in {out / 'base'}")
-    base = build_demo_base(out / "base", seed)
-    data = write_jsonl(conversations(rows, seed), out / "data" / "train.jsonl")
-    print(f"[2/3] collecting the routing prior over {rows} conversations ({data})")
-    prior_path = out / "prior.safetensors"
-    collect(
-        str(base),
-        data,
-        prior_path,
-        top_k=DEMO_MODEL["num_experts_per_tok"],
-        max_seq_len=256,
-        batch_size=16,
-        progress=progress,
-    )
-    print(f"[3/3] validating {prior_path}")
-    report = validate_artifact(prior_path, data_jsonl=data, expected_model=str(base))
-    print(report.format())
-    return 0 if report.ok else 1
+def run_demo(out_dir: str | Path = "rpb-demo", cache_dir: str | Path | None = None, progress: bool = True) -> int:
+    started = time.perf_counter()
+    study = Study(Path(out_dir), GRIDS["demo"], PostRecipe(), Path(cache_dir) if cache_dir else None, progress,
+                  keep_checkpoints=True)  # fmt: skip
+    study.pin()
+    cached = (base_dir(study.post.base, study.cache_dir) / "recipe.json").is_file()
+    where = base_dir(study.post.base, study.cache_dir)
+    print(f"[1/4] base model: {'cached' if cached else 'pretraining (about 10 minutes on 2 CPU cores)'} in {where}")
+    study.base()
+    post_set = study.grid.sets[0]
+    print(f"[2/4] routing prior of the base over {study.post.train_rows} {post_set} training conversations")
+    study.prior(post_set)
+    print(f"[3/4] post-training {', '.join(a.label for a in study.grid.arms)} on {post_set}, then scoring")
+    results = study.run()
+    print("[4/4] tables and plots")
+    tables = study.report(results)
+    print()
+    print(tables)
+    print(f"written: {study.out / 'tables.md'}, tradeoff.png, retention.png; per-run retention reports in "
+          f"{study.out / 'runs'}; {time.perf_counter() - started:.0f} s in all")  # fmt: skip
+    return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback
 
 from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
 from rpb.anchors import AnchorHandle, RunFacts, install_anchor, verify_prior
@@ -111,7 +112,7 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
     """Load everything, check the prior against it, and install the anchor."""
     method = get_method(cfg.anchor.method)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
-    artifact = load_artifact(cfg.prior) if cfg.prior else None
+    artifact = load_artifact(cfg.prior) if cfg.prior else None  # memory-mapped: a node's ranks share one copy
     meta = artifact.metadata if artifact else {}
     max_seq_len = cfg.train.max_seq_len or meta["max_seq_len"]
     data = load_labelled(cfg.data_jsonl, tokenizer, max_seq_len)  # every bad row, before any compute
@@ -198,19 +199,25 @@ def training_arguments(cfg: RunConfig, progress: bool = True) -> TrainingArgumen
     )
 
 
-def run_training(cfg: RunConfig, progress: bool = True) -> Path:
-    """The ``rpb train`` job; returns the directory of the saved checkpoint."""
-    prepared = prepare_run(cfg, progress)
+def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerCallback] | None = None) -> Path:
+    """The ``rpb train`` job; returns the directory of the saved checkpoint.
+
+    ``callbacks`` given: they replace the Trainer's own progress bar and console log lines (the
+    JSONL log is always written), for callers that show their own progress.
+    """
+    prepared = prepare_run(cfg, progress and callbacks is None)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     trainer = AnchorTrainer(
         model=prepared.model,
-        args=training_arguments(cfg, progress),
+        args=training_arguments(cfg, progress and callbacks is None),
         train_dataset=prepared.dataset,
         data_collator=prepared.collator,
         anchor=prepared.handle,
-        callbacks=[JsonlLog(out / "log.jsonl")],
+        callbacks=[JsonlLog(out / "log.jsonl"), *(callbacks or [])],
     )
+    if callbacks is not None:
+        trainer.remove_callback(PrinterCallback)
     try:
         trainer.train()
     finally:

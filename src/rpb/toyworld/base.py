@@ -142,7 +142,7 @@ def exact_match(model, tokenizer, tasks: list[Task], batch_size: int = 64, max_n
     return right / max(len(tasks), 1)
 
 
-def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_domain: int = 200) -> dict:
+def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_domain: int = 150) -> dict:
     """Build and pretrain the base model; save it (HF checkpoint + tokenizer + recipe.json)."""
     torch.manual_seed(recipe.seed)
     tokenizer = moonlight_tokenizer()

@@ -109,15 +109,25 @@ def _math_size(digits: int = 2, ops: Sequence[str] = ("+",), reverse: bool = Tru
     return sum(n * n if op == "+" else n * (n + 1) // 2 for op in ops)
 
 
-def _math_post(rng: random.Random, digits: int = 2, reverse: bool = True) -> Task:
+MATH_POST_FORMS = ("a+b-c", "a+b+c")
+
+
+def _math_post(rng: random.Random, digits: int = 2, form: str = "a+b+c", reverse: bool = True) -> Task:
+    _check_names((form,), MATH_POST_FORMS, "form")
     lo, hi = _operand_range(digits)
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    if form == "a+b+c":
+        c = rng.randint(lo, hi)
+        return _arith_task("math_post", f"{a}+{b}+{c}", a + b + c, reverse)
     c = rng.randint(lo, min(hi, a + b))  # a+b-c >= 0
     return _arith_task("math_post", f"{a}+{b}-{c}", a + b - c, reverse)
 
 
-def _math_post_size(digits: int = 2, reverse: bool = True) -> int:
+def _math_post_size(digits: int = 2, form: str = "a+b+c", reverse: bool = True) -> int:
+    _check_names((form,), MATH_POST_FORMS, "form")
     lo, hi = _operand_range(digits)
+    if form == "a+b+c":
+        return (hi - lo + 1) ** 3
     # Group the (a, b) pairs by their sum s: min(s - 2lo, 2hi - s) + 1 pairs, each with min(hi, s) - lo + 1 c's.
     return sum((min(s - 2 * lo, 2 * hi - s) + 1) * (min(hi, s) - lo + 1) for s in range(2 * lo, 2 * hi + 1))
 

@@ -1,0 +1,305 @@
+"""``rpb experiment`` / ``rpb demo``: the paper's study in the toy world, resumable cell by cell.
+
+A grid is (post-training sets) x (arms) x (seeds). An *arm* is a method with its settings (the
+beta grid has one arm per beta). Every finished cell writes ``result.json`` last, atomically; a
+rerun of the same command skips finished cells and redoes unfinished ones from scratch, and the
+tables are made from the result files alone, so an interrupted and an uninterrupted run give the
+same tables. ``grid.json`` pins what the results depend on; a rerun that would change it is
+refused.
+
+Anchor weights (``lambda``, ``lbl_coef``) are chosen once per output directory, before the grid:
+each candidate trains on the first post-training set with the first seed and is scored on the
+*validation* half of the held-out questions (mean of ID and OOD); the tables use the *test*
+half. The choice is recorded in ``selection.json`` and printed under the tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from rpb.anchors.methods import METHODS, get_method
+from rpb.toyworld.tasks import POST_SETS, sample
+from rpb.toyworld.world import PostRecipe, ensure_base, probe_tasks, score, train_cell, write_rows
+
+#: candidate anchor weights, three decades each, searched on the validation split
+CANDIDATES: dict[str, tuple[float, ...]] = {
+    "lbl": (0.001, 0.01, 0.1),
+    "router-l2": (0.01, 0.1, 1.0),
+    "kl-to-base": (0.01, 0.1, 1.0),
+    "logit-l2": (0.001, 0.01, 0.1),
+}
+#: the demo's fixed weight (no search, to fit its time budget): the pretraining's load-balancing weight
+DEMO_COEFFICIENTS = {"lbl": 0.01}
+BETAS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+@dataclass(frozen=True)
+class Arm:
+    label: str
+    method: str
+    anchor: tuple[tuple[str, float], ...] = ()  # fixed AnchorConfig fields besides the chosen weight
+
+    @property
+    def slug(self) -> str:
+        return self.label.replace(" ", "").replace("=", "")
+
+
+@dataclass(frozen=True)
+class Grid:
+    name: str
+    sets: tuple[str, ...]
+    arms: tuple[Arm, ...]
+    seeds: tuple[int, ...]
+    #: None: choose the weights on the validation split; else fixed weights per method
+    coefficients: dict[str, float] | None = None
+    tables: tuple[str, ...] = ("main",)
+    candidates: dict[str, tuple[float, ...]] = field(default_factory=lambda: dict(CANDIDATES))
+
+
+def _arms(*methods: str) -> tuple[Arm, ...]:
+    return tuple(Arm(m, m) for m in methods)
+
+
+BETA_ARMS = (*(Arm(f"rpb beta={b:g}", "rpb", (("beta", b),)) for b in BETAS), Arm("rpb hard", "rpb-hard"))
+SEEDS = (42, 43, 44)
+GRIDS: dict[str, Grid] = {
+    "full": Grid("full", POST_SETS, _arms(*METHODS), SEEDS, tables=("main", "forms", "controls")),
+    "small": Grid("small", ("math_post",), _arms("sft", "lbl", "rpb", "kl-to-base"), (42,), tables=("main", "forms")),
+    "beta": Grid("beta", POST_SETS, BETA_ARMS, SEEDS, coefficients={}, tables=("beta",)),
+    "demo": Grid("demo", ("math_post",), _arms("sft", "lbl", "rpb"), (42,), DEMO_COEFFICIENTS, ("demo",)),
+}
+
+
+def coefficient_field(method: str) -> str | None:
+    c = get_method(method).coefficient
+    return {"lambda": "lambda_", "lbl_coef": "lbl_coef"}.get(c) if c else None
+
+
+class GridChangedError(ValueError):
+    pass
+
+
+@dataclass
+class Study:
+    """One output directory: its base, data, prior, and cell results."""
+
+    out: Path
+    grid: Grid
+    post: PostRecipe = field(default_factory=PostRecipe)
+    cache_dir: Path | None = None
+    progress: bool = True
+    keep_checkpoints: bool = False
+
+    def __post_init__(self):
+        self.out = Path(self.out)
+
+    # ------------------------------------------------------------------ set-up
+
+    def pin(self) -> None:
+        """Write grid.json, or refuse when the directory holds results of another set-up."""
+        pinned = {"grid": asdict(self.grid), "post_recipe": asdict(self.post)}
+        path = self.out / "grid.json"
+        if path.is_file():
+            old = json.loads(path.read_text())
+            if old != json.loads(json.dumps(pinned)):
+                changed = sorted(k for k in pinned if old.get(k) != json.loads(json.dumps(pinned[k])))
+                raise GridChangedError(
+                    f"{path}: this directory holds results of another set-up (differs in: {', '.join(changed)}); "
+                    "use a new --out, or delete it to start over"
+                )
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        _write_json(path, pinned)
+
+    def base(self) -> Path:
+        if not hasattr(self, "_base"):
+            self._base, self.base_record = ensure_base(self.post.base, self.cache_dir, self.progress)
+        return self._base
+
+    def data(self, post_set: str) -> Path:
+        path = self.out / "data" / f"{post_set}.train.jsonl"
+        if not path.is_file():
+            write_rows(sample(post_set, self.post.train_rows, seed=self.post.data_seed), path)
+        return path
+
+    def probe(self) -> Path:
+        path = self.out / "data" / "probe.jsonl"
+        if not path.is_file():
+            write_rows(probe_tasks(self.post), path)
+        return path
+
+    def prior(self, post_set: str) -> Path:
+        from rpb.collect import collect
+
+        path = self.out / "priors" / f"{post_set}.safetensors"
+        if not path.is_file():  # written atomically: present means complete
+            collect(str(self.base()), self.data(post_set), path, top_k=self.post.base.num_experts_per_tok,
+                    max_seq_len=self.post.max_seq_len, batch_size=64, progress=self.progress)  # fmt: skip
+        return path
+
+    def base_routing(self) -> dict:
+        """``rpb retention`` of the base alone on the probe set: the structure post-training should keep."""
+        from rpb.retention.run import run_retention
+
+        path = self.out / "base_routing" / "report.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):  # absent, or cut short by an interruption
+            return run_retention(str(self.base()), self.probe(), path.parent, batch_size=64,
+                                 max_seq_len=self.post.max_seq_len, progress=False)  # fmt: skip
+
+    def base_score(self, post_set: str) -> dict:
+        """The base model's ID / OOD exact match on the test questions: where post-training starts."""
+        path = self.out / "base_scores" / f"{post_set}.json"
+        if not path.is_file():
+            _write_json(path, score(self.base(), post_set, self.post, "test"))
+        return json.loads(path.read_text())
+
+    # ------------------------------------------------------------------ cells
+
+    def cell(self, where: Path, post_set: str, arm: Arm, seed: int, weight: float | None,
+             part: str = "test", retention: bool = True) -> dict:  # fmt: skip
+        done = where / "result.json"
+        if done.is_file():
+            return json.loads(done.read_text())
+        shutil.rmtree(where, ignore_errors=True)  # an unfinished cell starts over
+        anchor = dict(arm.anchor)
+        if (fld := coefficient_field(arm.method)) is not None:
+            anchor[fld] = weight
+        needs_prior = get_method(arm.method).needs_prior
+        ckpt, train_s = train_cell(
+            self.base(), self.data(post_set), self.prior(post_set) if needs_prior else None, where / "model",
+            arm.method, seed, self.post, anchor, progress=self.progress, label=f"{post_set} {arm.label} seed {seed}",
+        )  # fmt: skip
+        started = time.perf_counter()
+        result = {"set": post_set, "arm": arm.label, "method": arm.method, "seed": seed, "anchor": anchor,
+                  **score(ckpt, post_set, self.post, part)}  # fmt: skip
+        if retention:
+            from rpb.retention.run import run_retention
+
+            report = run_retention(str(self.base()), self.probe(), where / "retention", post=str(ckpt),
+                                   batch_size=64, max_seq_len=self.post.max_seq_len, progress=False)  # fmt: skip
+            result["retention"] = {k: report["mean"][k] for k in ("tvd", "jsd", "topk_overlap", "nmi")}
+        result["seconds"] = {"train": train_s, "evaluate": time.perf_counter() - started}
+        if not self.keep_checkpoints:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        _write_json(done, result)
+        return result
+
+    def select_weights(self, bar) -> dict[str, float]:
+        """The anchor weight of every weighted method in the grid (fixed, or chosen on validation)."""
+        methods = sorted({a.method for a in self.grid.arms if coefficient_field(a.method)})
+        if self.grid.coefficients is not None:
+            missing = [m for m in methods if m not in self.grid.coefficients]
+            if missing:
+                raise ValueError(f"grid {self.grid.name!r} fixes no weight for {missing}")
+            return {m: self.grid.coefficients[m] for m in methods}
+        path = self.out / "selection.json"
+        chosen, trials = {}, []
+        for method in methods:
+            scores = {}
+            for weight in self.grid.candidates[method]:
+                where = self.out / "selection" / f"{method}-{weight:g}"
+                r = self.cell(where, self.grid.sets[0], Arm(method, method), self.grid.seeds[0], weight,
+                              part="validation", retention=False)  # fmt: skip
+                scores[weight] = (r["id"] + r["ood"]) / 2
+                trials.append({"method": method, "weight": weight, "id": r["id"], "ood": r["ood"]})
+                bar.update(1)
+            chosen[method] = max(scores, key=lambda w: (scores[w], -w))  # ties: the weaker anchor
+        record = {"set": self.grid.sets[0], "seed": self.grid.seeds[0], "part": "validation",
+                  "criterion": "mean of ID and OOD exact match", "chosen": chosen, "trials": trials}  # fmt: skip
+        _write_json(path, record)
+        return chosen
+
+    def run(self) -> list[dict]:
+        """Every cell of the grid (finished ones are read back); returns their results."""
+        with _quiet_loading():
+            return self._run()
+
+    def _run(self) -> list[dict]:
+        self.pin()
+        self.base()
+        g = self.grid
+        weighted = {a.method for a in g.arms if coefficient_field(a.method)}
+        n_select = 0 if g.coefficients is not None else sum(len(g.candidates[m]) for m in weighted)
+        cells = [(s, a, seed) for s in g.sets for a in g.arms for seed in g.seeds]
+        bar = tqdm(total=n_select + len(cells), unit="run", desc=f"grid {g.name}", disable=not self.progress)
+        weights = self.select_weights(bar)
+        results = []
+        for post_set, arm, seed in cells:
+            bar.set_postfix_str(f"{post_set} {arm.label} seed {seed}")
+            where = self.out / "runs" / post_set / arm.slug / f"seed{seed}"
+            results.append(self.cell(where, post_set, arm, seed, weights.get(arm.method)))
+            bar.update(1)
+        bar.close()
+        return results
+
+    def report(self, results: list[dict]) -> str:
+        """tables.md (tables, chosen weights, base scores, figures) and results.json; returns the tables."""
+        with _quiet_loading():
+            return self._report(results)
+
+    def _report(self, results: list[dict]) -> str:
+        from rpb.toyworld.tables import plot_retention, plot_tradeoff, table
+
+        g = self.grid
+        arms = tuple(a.label for a in g.arms)
+        base_scores = {s: self.base_score(s) for s in g.sets}
+        tables = "\n".join(table(kind, results, g.sets, arms, base_scores) for kind in g.tables)
+        weights = self.select_weights(_NoBar()) if any(coefficient_field(a.method) for a in g.arms) else {}
+        plot_tradeoff(results, g.sets, arms, self.out / "tradeoff.png")
+        plot_retention(results, g.sets, arms, self.out / "retention.png")
+        base = {d: round(100 * v, 1) for d, v in self.base_record["heldout_exact_match"].items()}
+        structure = self.base_routing()["mean"]
+        lines = [
+            f"# Toy-world study: grid `{g.name}`", "",
+            f"{len(g.sets)} post-training set(s) x {len(g.arms)} arm(s) x {len(g.seeds)} seed(s) "
+            f"{list(g.seeds)}; {self.post.max_steps} steps of batch {self.post.batch_size} on "
+            f"{self.post.train_rows} rows; ID = the set's held-out test questions, OOD = mean over the "
+            f"pretraining domains' held-out test questions ({self.post.eval_per_domain} per domain at most); "
+            "retention on the probe set against the base.", "",
+            tables,
+            "Anchor weights: " + (", ".join(f"{m} {w:g}" for m, w in sorted(weights.items())) or "none") + (
+                " (fixed)" if g.coefficients is not None else " (chosen on the validation split: selection.json)"),
+            "", f"Base model held-out exact match % (pretraining's own evaluation): {base}", "",
+            f"Base routing on the probe set (mean over MoE layers): utilization entropy "
+            f"{structure['entropy_base_bits']:.3f} bits, {structure['communities_base']:.1f} Louvain communities, "
+            f"modularity {structure['modularity_base']:.3f} (base_routing/report.md)", "",
+            "![ID vs OOD](tradeoff.png)", "", "![retention](retention.png)", "",
+        ]  # fmt: skip
+        text = "\n".join(lines)
+        (self.out / "tables.md").write_text(text)
+        _write_json(self.out / "results.json", sorted(results, key=lambda r: (r["set"], r["arm"], r["seed"])))
+        return tables
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """transformers' per-file load/save bars would bury the grid's own."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)

@@ -1,0 +1,124 @@
+"""Paper-style tables and figures from the cells' result files (and nothing else).
+
+Accuracies are exact match in percent; ``mean ± std`` is over seeds (sample standard deviation;
+a single seed prints its value alone). Retention metrics are means over MoE layers of the
+trained model against the base, on the probe set.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+#: the table kinds a grid can ask for: rows (arm labels, None = all in grid order) and columns
+FORMS_ROWS = ("rpb", "router-l2", "kl-to-base", "logit-l2", "sft", "lbl")
+CONTROLS_ROWS = ("rpb", "within-soft", "within-hard", "global-hard")
+TABLES: dict[str, tuple[str, tuple[str, ...] | None, tuple[str, ...]]] = {
+    "main": ("Main results", None, ("id", "ood")),
+    "forms": ("Anchoring forms", FORMS_ROWS, ("id", "ood", "tvd", "topk_overlap")),
+    "controls": ("Interventional controls", CONTROLS_ROWS, ("id", "ood", "nmi")),
+    "beta": ("Enforcement strength (beta)", None, ("id", "ood", "tvd", "topk_overlap", "nmi")),
+    "demo": ("Demo", None, ("id", "ood", "tvd", "topk_overlap", "nmi")),
+}
+HEADERS = {"id": "ID %", "ood": "OOD %", "tvd": "TVD", "topk_overlap": "top-k overlap", "nmi": "NMI"}
+
+
+def value(result: dict, key: str) -> float:
+    if key in ("id", "ood"):
+        return 100.0 * result[key]
+    return float(result.get("retention", {}).get(key, math.nan))
+
+
+def aggregate(results: list[dict]) -> dict[tuple[str, str], dict[str, list[float]]]:
+    """(set, arm) -> metric -> values over seeds, in seed order."""
+    out: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in sorted(results, key=lambda r: r["seed"]):
+        for key in HEADERS:
+            out[(r["set"], r["arm"])][key].append(value(r, key))
+    return out
+
+
+def fmt(values: list[float], key: str) -> str:
+    digits = 1 if key in ("id", "ood") else 3
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return "n/a"
+    mean = statistics.fmean(vals)
+    if len(vals) == 1:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {statistics.stdev(vals):.{digits}f}"
+
+
+def table(
+    kind: str, results: list[dict], sets: tuple[str, ...], arms: tuple[str, ...], base: dict[str, dict] | None = None
+) -> str:
+    """One markdown table; ``base`` (set -> the base model's ``id`` / ``ood``) adds a reference first row."""
+    title, rows, cols = TABLES[kind]
+    agg = aggregate(results)
+    rows = tuple(r for r in (rows or arms) if r in arms)
+    head = ["method"] + [f"{s} {HEADERS[c]}" if len(sets) > 1 else HEADERS[c] for s in sets for c in cols]
+    lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if base:  # retention of the base against itself is trivial (TVD 0, overlap 1, NMI 1): not shown
+        cells = [fmt([100.0 * base[s][c]], c) if c in ("id", "ood") else "—" for s in sets for c in cols]
+        lines.append("| *base (before post-training)* | " + " | ".join(cells) + " |")
+    for arm in rows:
+        cells = [fmt(agg[(s, arm)][c], c) if (s, arm) in agg else "n/a" for s in sets for c in cols]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_tradeoff(results: list[dict], sets: tuple[str, ...], arms: tuple[str, ...], path: Path) -> Path:
+    """ID against OOD accuracy per arm (mean, with the seeds' standard deviation as error bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg = aggregate(results)
+    fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4.5), squeeze=False)
+    for ax, s in zip(axes[0], sets, strict=True):
+        for arm in arms:
+            if (s, arm) not in agg:
+                continue
+            ids, oods = agg[(s, arm)]["id"], agg[(s, arm)]["ood"]
+            sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
+            ax.errorbar(statistics.fmean(ids), statistics.fmean(oods), xerr=sd(ids), yerr=sd(oods), fmt="o",
+                        capsize=3)  # fmt: skip
+            ax.annotate(arm, (statistics.fmean(ids), statistics.fmean(oods)), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8)  # fmt: skip
+        ax.set_xlabel(f"ID exact match % ({s})")
+        ax.set_ylabel("OOD exact match % (mean of base domains)")
+        ax.set_title(s)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_retention(results: list[dict], sets: tuple[str, ...], arms: tuple[str, ...], path: Path) -> Path:
+    """TVD, top-k overlap and NMI per arm (means over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg = aggregate(results)
+    keys = ("tvd", "topk_overlap", "nmi")
+    fig, axes = plt.subplots(len(sets), len(keys), figsize=(4.2 * len(keys), 0.35 * len(arms) + 2.2 * len(sets)),
+                             squeeze=False)  # fmt: skip
+    for row, s in zip(axes, sets, strict=True):
+        present = [a for a in arms if (s, a) in agg]
+        for ax, key in zip(row, keys, strict=True):
+            means = [statistics.fmean(agg[(s, a)][key]) if agg[(s, a)][key] else math.nan for a in present]
+            ax.barh(range(len(present)), means, color="tab:blue")
+            ax.set_yticks(range(len(present)), present, fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlim(0, 1)
+            ax.set_title(f"{s}: {HEADERS[key]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

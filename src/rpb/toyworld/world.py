@@ -1,0 +1,198 @@
+"""The toy world's post-training stage: cached base, post-training sets, one anchored run, its scores.
+
+One *cell* of the study is (post-training set, method, seed): ``rpb train`` (``run_training``)
+on the set's training rows with the method's anchor, then
+
+* **ID**: exact match on the post-training set's held-out *test* questions;
+* **OOD**: mean exact match over the four pretraining domains' held-out *test* questions (what
+  post-training destroyed);
+* **retention**: ``rpb retention`` of the trained model against the base on a probe set of
+  held-out conversations of every domain (TVD, top-k overlap, NMI, ...).
+
+Held-out questions are split once more, by a hash of the question, into *validation* (used
+only to choose the anchor weights ``lambda`` / ``lbl_coef``) and *test* (the reported figures).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from rpb.toyworld.base import BaseRecipe, default_cache_dir, exact_match, pretrain
+from rpb.toyworld.tasks import DOMAINS, POST_SETS, Task, question_space, sample, to_messages
+
+PARTS = ("validation", "test")
+
+
+@dataclass(frozen=True)
+class PostRecipe:
+    """Post-training and scoring of one cell (the same for every method, set and seed)."""
+
+    #: the paper's math20k / coding20k: 20,000 training conversations, a little under one epoch
+    train_rows: int = 20_000
+    max_steps: int = 500
+    batch_size: int = 32
+    lr: float = 3e-4
+    warmup_steps: int = 10
+    lr_scheduler: str = "cosine"
+    max_seq_len: int = 96
+    eval_per_domain: int = 100  # per domain and part (facts has 75 held-out phrasings per part)
+    probe_rows: int = 256  # held-out conversations for the retention metrics
+    data_seed: int = 0  # the post-training rows (the same for every method and seed)
+    base: BaseRecipe = field(default_factory=BaseRecipe)
+
+    def digest(self) -> str:
+        return _digest(asdict(self))
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+# --------------------------------------------------------------------------- base model
+
+
+def base_dir(recipe: BaseRecipe, cache_dir: Path | None = None) -> Path:
+    """Where the base model built by ``recipe`` lives in the cache (named by the recipe's digest)."""
+    return Path(cache_dir or default_cache_dir()) / "toyworld" / f"base-{_digest(asdict(recipe))}"
+
+
+def ensure_base(recipe: BaseRecipe, cache_dir: Path | None = None, progress: bool = True) -> tuple[Path, dict]:
+    """The cached base model, pretrained first when absent (about 10 minutes on 2 CPU cores).
+
+    ``recipe.json`` is written last and the directory renamed into place, so an interrupted
+    build is never mistaken for a finished one; it is rebuilt from scratch next time.
+    """
+    out = base_dir(recipe, cache_dir)
+    done = out / "recipe.json"
+    if done.is_file():
+        return out, json.loads(done.read_text())
+    partial = out.with_name(out.name + f".partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    record = pretrain(recipe, partial, progress=progress)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(partial, out)
+    return out, record
+
+
+# --------------------------------------------------------------------------- data
+
+
+def part_of(task: Task) -> str:
+    """ "validation" or "test" for a held-out question: a hash of its text, half and half."""
+    unit = int.from_bytes(hashlib.sha256(f"part:{task.question}".encode()).digest()[:8], "big") / 2**64
+    return PARTS[unit >= 0.5]
+
+
+def eval_tasks(domain: str, part: str, n: int, params: dict | None = None) -> list[Task]:
+    """Up to ``n`` held-out questions of ``domain`` in ``part`` (the same list every time)."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    kw = (params or {}).get(domain, {})
+    # facts has exactly one held-out phrasing per fact (150 with 50 entities): take them all
+    want = question_space(domain, **kw) // 5 if domain == "facts" else 3 * n
+    pool = sample(domain, want, seed=7, split="heldout", **kw)
+    return [t for t in pool if part_of(t) == part][:n]
+
+
+def write_rows(tasks: list[Task], path: Path) -> Path:
+    """Tasks as messages-form JSONL rows (written whole, then renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for task in tasks:
+            f.write(json.dumps({"messages": to_messages(task)}) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def probe_tasks(post: PostRecipe) -> list[Task]:
+    """Held-out conversations of every domain and both post sets, in equal shares: the retention probe."""
+    names = DOMAINS + POST_SETS
+    params = post.base.domain_params()
+    per = post.probe_rows // len(names)
+    return [t for d in names for t in eval_tasks(d, "test", per, params)]
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def score(model_dir: str | Path, post_set: str, post: PostRecipe, part: str = "test") -> dict:
+    """ID / OOD exact match of a checkpoint (greedy), per domain and summarised."""
+
+    from rpb.collect import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    params = post.base.domain_params()
+    per_domain = {
+        d: exact_match(model, tokenizer, eval_tasks(d, part, post.eval_per_domain, params))
+        for d in (post_set, *DOMAINS)
+    }
+    ood = sum(per_domain[d] for d in DOMAINS) / len(DOMAINS)
+    return {"id": per_domain[post_set], "ood": ood, "per_domain": per_domain, "part": part}
+
+
+def train_cell(
+    base: Path, data_jsonl: Path, prior: Path | None, out: Path, method: str, seed: int, post: PostRecipe,
+    anchor: dict | None = None, progress: bool = True, label: str | None = None,
+) -> tuple[Path, float]:  # fmt: skip
+    """``rpb train`` on one cell; returns the checkpoint directory and the training seconds."""
+    from rpb.anchors import AnchorConfig
+    from rpb.config import DataSection, RunConfig, TrainSection
+    from rpb.train import run_training
+
+    cfg = RunConfig(
+        model=str(base),
+        data_jsonl=str(data_jsonl),
+        output_dir=str(out),
+        prior=str(prior) if prior and _needs_prior(method) else None,
+        anchor=AnchorConfig(method=method, **(anchor or {})),
+        train=TrainSection(
+            max_steps=post.max_steps, seed=seed, lr=post.lr, batch_size=post.batch_size,
+            warmup_steps=post.warmup_steps, lr_scheduler=post.lr_scheduler, max_seq_len=post.max_seq_len,
+            log_every=10,
+        ),
+        data=DataSection(seed=seed),
+    )  # fmt: skip
+    started = time.perf_counter()
+    run_training(cfg, callbacks=[_StepBar(label or f"{method} seed {seed}", progress)])
+    return out, time.perf_counter() - started
+
+
+class _StepBar(TrainerCallback):
+    """One progress bar per post-training run (instead of the Trainer's own bar and log lines)."""
+
+    def __init__(self, desc: str, enabled: bool):
+        self.desc, self.enabled, self.bar = desc, enabled, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.bar = tqdm(total=state.max_steps, desc=self.desc, unit="step", leave=False, disable=not self.enabled)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.bar.update(1)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.bar.set_postfix(loss=f"{logs['loss']:.3f}", refresh=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.bar.close()
+
+
+def _needs_prior(method: str) -> bool:
+    from rpb.anchors.methods import get_method
+
+    return get_method(method).needs_prior
+
+
+def with_base(post: PostRecipe, **base_overrides) -> PostRecipe:
+    return replace(post, base=replace(post.base, **base_overrides))

@@ -1,0 +1,28 @@
+"""A miniature toy-world study (seconds, not hours), shared by the tests and their killed subprocess.
+
+``python -m tests.toyworld_mini OUT CACHE`` runs it to the end (or until killed).
+"""
+
+import sys
+from pathlib import Path
+
+from rpb.toyworld.base import BaseRecipe
+from rpb.toyworld.experiment import Arm, Grid, Study
+from rpb.toyworld.world import PostRecipe
+
+MINI_BASE = BaseRecipe(hidden_size=32, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=16, intermediate_size=64, batch_size=8, max_steps=6, pool=64)  # fmt: skip
+MINI_POST = PostRecipe(train_rows=48, max_steps=3, batch_size=8, warmup_steps=0, eval_per_domain=4, probe_rows=24,
+                       base=MINI_BASE)  # fmt: skip
+#: two methods, one seed; lbl's weight chosen on validation from two candidates
+MINI_GRID = Grid("mini", ("math_post",), (Arm("lbl", "lbl"), Arm("rpb", "rpb")), (42,), tables=("demo",),
+                 candidates={"lbl": (0.01, 0.1)})  # fmt: skip
+
+
+def mini_study(out, cache) -> Study:
+    return Study(Path(out), MINI_GRID, MINI_POST, cache_dir=Path(cache), progress=False)
+
+
+if __name__ == "__main__":
+    study = mini_study(sys.argv[1], sys.argv[2])
+    study.report(study.run())
