@@ -20,8 +20,8 @@ def run_demo(out_dir: str | Path = "rpb-demo", cache_dir: str | Path | None = No
     study = Study(Path(out_dir), GRIDS["demo"], PostRecipe(), Path(cache_dir) if cache_dir else None, progress,
                   keep_checkpoints=True)  # fmt: skip
     study.pin()
-    cached = (base_dir(study.post.base, study.cache_dir) / "recipe.json").is_file()
     where = base_dir(study.post.base, study.cache_dir)
+    cached = (where / "recipe.json").is_file()
     print(f"[1/4] base model: {'cached' if cached else 'pretraining (about 10 minutes on 2 CPU cores)'} in {where}")
     study.base()
     post_set = study.grid.sets[0]

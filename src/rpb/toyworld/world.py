@@ -20,14 +20,14 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from rpb.toyworld.base import BaseRecipe, default_cache_dir, exact_match, pretrain
-from rpb.toyworld.tasks import DOMAINS, POST_SETS, Task, question_space, sample, to_messages
+from rpb.toyworld.tasks import DOMAINS, FACT_TEMPLATES, POST_SETS, Task, question_space, sample, to_messages
 
 PARTS = ("validation", "test")
 
@@ -98,7 +98,7 @@ def eval_tasks(domain: str, part: str, n: int, params: dict | None = None) -> li
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     kw = (params or {}).get(domain, {})
     # facts has exactly one held-out phrasing per fact (150 with 50 entities): take them all
-    want = question_space(domain, **kw) // 5 if domain == "facts" else 3 * n
+    want = question_space(domain, **kw) // len(FACT_TEMPLATES) if domain == "facts" else 3 * n
     pool = sample(domain, want, seed=7, split="heldout", **kw)
     return [t for t in pool if part_of(t) == part][:n]
 
@@ -192,7 +192,3 @@ def _needs_prior(method: str) -> bool:
     from rpb.anchors.methods import get_method
 
     return get_method(method).needs_prior
-
-
-def with_base(post: PostRecipe, **base_overrides) -> PostRecipe:
-    return replace(post, base=replace(post.base, **base_overrides))
