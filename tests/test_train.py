@@ -6,14 +6,14 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from rpb.anchors import METHODS, PriorMismatchError
 from rpb.collect import collect
 from rpb.config import ConfigError, load_config
 from rpb.toy.data import conversations, write_jsonl
 from rpb.toy.models import ARCHITECTURES
-from rpb.train import run_training
+from rpb.train import deterministic_algorithms, run_training
 
 ARCHS = ("moonlight", "qwen3_moe", "mixtral")
 
@@ -140,3 +140,44 @@ def test_config_errors_are_listed_together(tmp_path):
         assert needle in text
     with pytest.raises(ConfigError, match=r"prior: required by anchor\.method 'rpb'"):
         load_config(None, ["model=m", f"data_jsonl={tmp_path}", "output_dir=o", "anchor.method=rpb"])
+
+
+def test_deterministic_flag_holds_for_the_run_only(setup, tmp_path):
+    seen = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(torch.are_deterministic_algorithms_enabled())
+
+    model, data, prior = setup["moonlight"]
+    for flag in (True, False):
+        cfg = load_config(None, [f"model={model}", f"data_jsonl={data}", f"prior={prior}", "train.max_steps=2",
+                                 f"output_dir={tmp_path / str(flag)}", f"train.deterministic={str(flag).lower()}",
+                                 "train.batch_size=4", "train.save=false"])  # fmt: skip
+        run_training(cfg, progress=False, callbacks=[Record()])
+        assert not torch.are_deterministic_algorithms_enabled()
+    assert seen == [True, True, False, False]
+
+
+def test_deterministic_kernels_repeat_the_toy_world_backward_exactly():
+    """At the toy world's size the default CPU backward is not repeatable (index_put_ accumulates
+    in thread order: 44 of 52 gradients differed on 2 cores); inside the block
+    every gradient repeats bit for bit, and the caller's setting comes back afterwards."""
+    from rpb.toy.models import tiny_config
+    from rpb.toyworld.base import BaseRecipe
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("moonlight", 96, **BaseRecipe().model_overrides()))
+    model.train()
+    ids = torch.randint(3, 96, (32, 96), generator=torch.Generator().manual_seed(1))
+
+    def grads():
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    with deterministic_algorithms(True):
+        assert torch.are_deterministic_algorithms_enabled()
+        first, second = grads(), grads()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

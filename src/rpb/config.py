@@ -43,6 +43,10 @@ class TrainSection:
     #: passed to TrainingArguments.fsdp / fsdp_config (e.g. "full_shard auto_wrap", {"version": 2})
     fsdp: str = ""
     fsdp_config: dict | None = None
+    #: deterministic kernels while training (torch.use_deterministic_algorithms): the same run
+    #: twice gives the same weights bit for bit. On CPU the MoE backward otherwise accumulates
+    #: in thread order; on GPU some ops then raise instead of running nondeterministically
+    deterministic: bool = False
 
 
 @dataclass

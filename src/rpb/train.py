@@ -9,6 +9,7 @@ a plain HF checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -162,6 +163,29 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
     return PreparedRun(model, tokenizer, dataset, collator, handle, max_seq_len, info)
 
 
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool = True):
+    """Deterministic kernels for the duration of the block; the caller's setting comes back after.
+
+    Why it matters even on CPU: the backward of the experts' token gather accumulates with
+    ``index_put_(accumulate=True)``, which adds in thread order, so the same step run twice
+    gives gradients ~1e-7 apart, and 500 steps later the same cell scores a point apart. The
+    deterministic kernel sorts the indices first (measured on 2 cores: no slower).
+    """
+    if not enabled:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    # cuBLAS reads it when it first starts; without it, deterministic GEMMs raise on CUDA >= 10.2
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
 def training_arguments(cfg: RunConfig, progress: bool = True) -> TrainingArguments:
     t = cfg.train
     on_cpu = not torch.cuda.is_available()
@@ -219,7 +243,8 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
     if callbacks is not None:
         trainer.remove_callback(PrinterCallback)
     try:
-        trainer.train()
+        with deterministic_algorithms(cfg.train.deterministic):
+            trainer.train()
     finally:
         prepared.handle.remove()
     if cfg.train.save:

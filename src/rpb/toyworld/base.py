@@ -27,6 +27,7 @@ from rpb.data.jsonl import MessagesRow
 from rpb.toy.models import tiny_config
 from rpb.toy.tokenizers import moonlight_tokenizer
 from rpb.toyworld.tasks import DOMAINS, Task, is_correct, question_space, sample, to_messages
+from rpb.train import deterministic_algorithms
 from rpb.train_data import IGNORE_INDEX, labels_for
 
 
@@ -156,25 +157,27 @@ def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_
     order = torch.randperm(len(encoded), generator=g).tolist()
     started, step, losses = time.perf_counter(), 0, []
     bar = tqdm(total=recipe.max_steps, unit="step", desc="pretrain base", disable=not progress)
-    while step < recipe.max_steps and time.perf_counter() - started < budget:
-        frac = step / recipe.max_steps if recipe.minutes is None else (time.perf_counter() - started) / budget
-        for group in opt.param_groups:  # warm-up then cosine decay over the steps (or the time budget)
-            group["lr"] = recipe.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))
-        rows = [encoded[order[(step * recipe.batch_size + i) % len(order)]] for i in range(recipe.batch_size)]
-        batch = _batch(rows, tokenizer.pad_token_id)
-        sample_BT = torch.zeros_like(batch["input_ids"])
-        with handle.step(sample_BT, sample_BT, batch["attention_mask"]):
-            loss = model(**batch).loss
-            total = loss + handle.loss()
-            total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
-    bar.close()
+    # a rebuild gives the same weights bit for bit (a wall-clock budget cannot anyway)
+    with deterministic_algorithms(recipe.minutes is None):
+        while step < recipe.max_steps and time.perf_counter() - started < budget:
+            frac = step / recipe.max_steps if recipe.minutes is None else (time.perf_counter() - started) / budget
+            for group in opt.param_groups:  # warm-up then cosine decay over the steps (or the time budget)
+                group["lr"] = recipe.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))
+            rows = [encoded[order[(step * recipe.batch_size + i) % len(order)]] for i in range(recipe.batch_size)]
+            batch = _batch(rows, tokenizer.pad_token_id)
+            sample_BT = torch.zeros_like(batch["input_ids"])
+            with handle.step(sample_BT, sample_BT, batch["attention_mask"]):
+                loss = model(**batch).loss
+                total = loss + handle.loss()
+                total.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
+        bar.close()
     handle.remove()
     params = recipe.domain_params()
     accuracy = {

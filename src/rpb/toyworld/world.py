@@ -159,7 +159,7 @@ def train_cell(
         train=TrainSection(
             max_steps=post.max_steps, seed=seed, lr=post.lr, batch_size=post.batch_size,
             warmup_steps=post.warmup_steps, lr_scheduler=post.lr_scheduler, max_seq_len=post.max_seq_len,
-            log_every=10,
+            log_every=10, deterministic=True,  # a cell redone after a kill scores the same
         ),
         data=DataSection(seed=seed),
     )  # fmt: skip
