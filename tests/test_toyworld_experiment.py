@@ -3,6 +3,7 @@ a changed set-up; evaluation splits and tables against hand computations."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from rpb.toyworld.experiment import GRIDS, GridChangedError, Study
 from rpb.toyworld.tables import table
@@ -96,12 +98,25 @@ def test_killed_mid_run_resumes_to_the_same_tables(finished):
     assert _results(out) == _results(root / "a")
 
 
-def test_a_changed_set_up_is_refused(finished):
+def test_a_changed_set_up_is_refused(finished, tmp_path):
     root, _ = finished
+    cache = root / "cache"
+    pinned = (root / "a" / "grid.json").read_text()
     with pytest.raises(GridChangedError, match="post_recipe"):
-        Study(root / "a", MINI_GRID, replace(MINI_POST, max_steps=4)).pin()
+        Study(root / "a", MINI_GRID, replace(MINI_POST, max_steps=4), cache_dir=cache).pin()
     with pytest.raises(GridChangedError, match="grid"):
-        Study(root / "a", replace(MINI_GRID, seeds=(42, 43)), MINI_POST).pin()
+        Study(root / "a", replace(MINI_GRID, seeds=(42, 43)), MINI_POST, cache_dir=cache).pin()
+    # same recipe, other weights (a base rebuilt elsewhere): a resume must not mix two bases
+    other = tmp_path / "cache"
+    shutil.copytree(cache, other)
+    (weights,) = other.glob("toyworld/base-*/model.safetensors")
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(GridChangedError, match=r"base_sha256 \(the base model's weights\)"):
+        Study(root / "a", MINI_GRID, MINI_POST, cache_dir=other).pin()
+    assert (root / "a" / "grid.json").read_text() == pinned
 
 
 def test_evaluation_parts_are_disjoint_held_out_and_fixed():

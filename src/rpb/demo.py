@@ -19,11 +19,11 @@ def run_demo(out_dir: str | Path = "rpb-demo", cache_dir: str | Path | None = No
     started = time.perf_counter()
     study = Study(Path(out_dir), GRIDS["demo"], PostRecipe(), Path(cache_dir) if cache_dir else None, progress,
                   keep_checkpoints=True)  # fmt: skip
-    study.pin()
     where = base_dir(study.post.base, study.cache_dir)
     cached = (where / "recipe.json").is_file()
-    print(f"[1/4] base model: {'cached' if cached else 'pretraining (about 10 minutes on 2 CPU cores)'} in {where}")
+    print(f"[1/4] base model: {'cached' if cached else 'pretraining (about 9 minutes on 2 CPU cores)'} in {where}")
     study.base()
+    study.pin()
     post_set = study.grid.sets[0]
     print(f"[2/4] routing prior of the base over {study.post.train_rows} {post_set} training conversations")
     study.prior(post_set)

@@ -26,6 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from rpb.anchors.methods import METHODS, get_method
+from rpb.data.jsonl import file_sha256
 from rpb.toyworld.tasks import POST_SETS, sample
 from rpb.toyworld.world import PostRecipe, ensure_base, probe_tasks, score, train_cell, write_rows
 
@@ -104,13 +105,20 @@ class Study:
     # ------------------------------------------------------------------ set-up
 
     def pin(self) -> None:
-        """Write grid.json, or refuse when the directory holds results of another set-up."""
-        pinned = {"grid": asdict(self.grid), "post_recipe": asdict(self.post)}
+        """Write grid.json, or refuse when the directory holds results of another set-up.
+
+        The base model's weights are pinned by hash, not only its recipe: a base rebuilt on
+        another machine (other GEMM blocking) or by an older version follows the same recipe
+        with other weights, and a resumed grid must not mix cells of two bases.
+        """
+        pinned = {"grid": asdict(self.grid), "post_recipe": asdict(self.post),
+                  "base_sha256": file_sha256(self.base() / "model.safetensors")}  # fmt: skip
         path = self.out / "grid.json"
         if path.is_file():
             old = json.loads(path.read_text())
             if old != json.loads(json.dumps(pinned)):
                 changed = sorted(k for k in pinned if old.get(k) != json.loads(json.dumps(pinned[k])))
+                changed = [f"{k} (the base model's weights)" if k == "base_sha256" else k for k in changed]
                 raise GridChangedError(
                     f"{path}: this directory holds results of another set-up (differs in: {', '.join(changed)}); "
                     "use a new --out, or delete it to start over"
@@ -226,7 +234,6 @@ class Study:
 
     def _run(self) -> list[dict]:
         self.pin()
-        self.base()
         g = self.grid
         weighted = {a.method for a in g.arms if coefficient_field(a.method)}
         n_select = 0 if g.coefficients is not None else sum(len(g.candidates[m]) for m in weighted)
