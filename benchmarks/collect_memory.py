@@ -31,16 +31,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from rpb.toy.data import conversations, write_jsonl
-from rpb.toy.models import build_tiny_model
-from rpb.toy.tokenizers import moonlight_tokenizer
+from rpb.testing.data import conversations, write_jsonl
+from rpb.testing.models import build_tiny_model
+from rpb.testing.tokenizers import moonlight_tokenizer
 
 #: the collector before streaming: every row's prior in one tensor, then one save_file
 IN_MEMORY = """
 import sys
 from rpb.adapters import find_moe_layers
 from rpb.artifact import PriorArtifact, save_artifact
-from rpb.collect import collect_prior, load_base_model, load_tokenizer
+from rpb.collect import collect_prior
+from rpb.models import load_base_model, load_tokenizer
 from rpb.data import load_labelled
 model_dir, data, out, batch_size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 examples = load_labelled(data, load_tokenizer(model_dir), 256).examples

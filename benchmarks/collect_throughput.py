@@ -37,13 +37,14 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from rpb.adapters import find_moe_layers
-from rpb.collect import DEFAULT_CHUNK_ROWS, collect_prior, load_base_model, load_tokenizer, plan_batches
-from rpb.collect_rows import label_range, scan_rows
-from rpb.collect_store import WorkDir
+from rpb.collect import DEFAULT_CHUNK_ROWS, collect_prior, plan_batches
+from rpb.collect.rows import label_range, scan_rows
+from rpb.collect.store import WorkDir
 from rpb.data import ChatTemplate, collate
-from rpb.toy.data import long_conversations, write_jsonl
-from rpb.toy.models import build_tiny_model
-from rpb.toy.tokenizers import moonlight_tokenizer
+from rpb.models import load_base_model, load_tokenizer
+from rpb.testing.data import long_conversations, write_jsonl
+from rpb.testing.models import build_tiny_model
+from rpb.testing.tokenizers import moonlight_tokenizer
 
 #: Moonlight's layout at a small width: MLA attention, 64 routed experts (top-6), shared experts, dense first layer.
 MLA = dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)

@@ -54,14 +54,14 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from rpb.adapters import find_moe_layers
-from rpb.collect import load_base_model, load_tokenizer
 from rpb.data import collate, load_labelled
+from rpb.models import load_base_model, load_tokenizer
 from rpb.retention.run import collect_routing
 from rpb.retention.stats import ModelRouting, PairedOverlap
-from rpb.toy.data import long_conversations, write_jsonl
-from rpb.toy.models import build_tiny_model
-from rpb.toy.tokenizers import moonlight_tokenizer
-from rpb.trace import RouterTap, route_batch
+from rpb.retention.trace import RouterTap, route_batch
+from rpb.testing.data import long_conversations, write_jsonl
+from rpb.testing.models import build_tiny_model
+from rpb.testing.tokenizers import moonlight_tokenizer
 
 #: Moonlight's layout at a small width: MLA attention, shared experts, dense first layer.
 MLA = dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)

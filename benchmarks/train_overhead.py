@@ -63,9 +63,9 @@ import time
 import torch
 
 from rpb.anchors import METHODS, AnchorConfig, install_anchor
-from rpb.communities import layer_permutations
 from rpb.prior import NUM_SPANS, STRUCTURAL
-from rpb.toy.models import build_tiny_model
+from rpb.retention.communities import layer_permutations
+from rpb.testing.models import build_tiny_model
 
 #: Moonlight's attention layout at a small width (as in collect_throughput.py).
 MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16)

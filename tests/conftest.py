@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rpb.toy.models import build_tiny_model
-from rpb.toy.tokenizers import CharSlowTokenizer, chatml_tokenizer, moonlight_tokenizer
+from rpb.testing.models import build_tiny_model
+from rpb.testing.tokenizers import moonlight_tokenizer
+from tests.extra_tokenizers import CharSlowTokenizer, chatml_tokenizer
 
 
 @pytest.fixture(scope="session")

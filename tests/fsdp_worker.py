@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import fully_shard
 
 from rpb.anchors import AnchorConfig, install_anchor
-from rpb.toy.models import build_tiny_model
+from rpb.testing.models import build_tiny_model
 
 
 def batch():

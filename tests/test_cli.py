@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rpb import artifact as artifact_module
 from rpb.cli import main
 from rpb.collect import collect
-from rpb.toy.data import conversations, write_jsonl
+from rpb.testing.data import conversations, write_jsonl
 from tests.conftest import qa, write_rows
 
 
@@ -100,10 +100,10 @@ def test_model_code_is_never_run_and_tokenizer_code_only_with_the_flag(save_tiny
     # ... and a slow tokenizer of its own, without offset mapping
     for f in ckpt.glob("tokenizer*.json"):
         f.unlink()
-    from rpb.toy.tokenizers import CharSlowTokenizer
+    from tests.extra_tokenizers import CharSlowTokenizer
 
     CharSlowTokenizer().save_pretrained(ckpt)
-    (ckpt / "tokenization_remote.py").write_text("from rpb.toy.tokenizers import CharSlowTokenizer\n")
+    (ckpt / "tokenization_remote.py").write_text("from tests.extra_tokenizers import CharSlowTokenizer\n")
     tok_config = json.loads((ckpt / "tokenizer_config.json").read_text())
     tok_config["auto_map"] = {"AutoTokenizer": ["tokenization_remote.CharSlowTokenizer", None]}
     tok_config["tokenizer_class"] = "CharSlowTokenizer"

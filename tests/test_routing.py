@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from rpb.adapters import find_moe_layers, get_adapter
-from rpb.routing import RouterSpec, route, select, select_from_prior
-from rpb.toy.models import ARCHITECTURES, build_tiny_model
+from rpb.adapters import find_moe_layers, get_adapter, router_spec
+from rpb.routing import route, select, select_from_prior
+from rpb.testing.models import ARCHITECTURES, build_tiny_model
 
 VOCAB = 64
 NUM_TOKENS = 48
@@ -170,7 +170,7 @@ def test_zero_bias_reproduces_the_router_bit_exactly(arch, dtype):
     for i, router in enumerate(routers):
         router = copy.deepcopy(router).to(dtype)
         logits_TE, gates_TK, ids_TK = router(random_hidden(router, seed=i, dtype=dtype))
-        spec = RouterSpec.from_router(router, facts)
+        spec = router_spec(router, facts)
         expert_bias_E = expert_bias_of(router, facts)
         for bias_TE in (None, torch.zeros_like(logits_TE), -0.0 * torch.ones_like(logits_TE)):
             got_gates, got_ids = route(logits_TE, spec, bias_TE, expert_bias_E)
@@ -184,7 +184,7 @@ def test_deepseek_v2_greedy_switch_turns_groups_off():
     router = copy.deepcopy(routers[0])
     router.topk_method, router.topk_group = "greedy", 1  # one kept group would change the selection
     logits_TE, gates_TK, ids_TK = router(random_hidden(router))
-    spec = RouterSpec.from_router(router, facts)
+    spec = router_spec(router, facts)
     assert spec.group_scoring is None
     got_gates, got_ids = route(logits_TE, spec, torch.zeros_like(logits_TE))
     assert torch.equal(got_ids, ids_TK) and torch.equal(got_gates, gates_TK)
@@ -201,7 +201,7 @@ def test_biased_selection_and_unbiased_gates_match_the_family_reference(arch):
         with torch.no_grad():
             logits_TE, _, native_ids_TK = router(random_hidden(router, seed=10 + i))
         bias_TE = torch.randn(logits_TE.shape, generator=gen) * 3.0
-        spec = RouterSpec.from_router(router, facts)
+        spec = router_spec(router, facts)
         gates_TK, ids_TK = route(logits_TE, spec, bias_TE, expert_bias_of(router, facts))
         assert ids_TK.shape == gates_TK.shape == (NUM_TOKENS, router.top_k)
 
@@ -241,7 +241,7 @@ def test_expert_bias_selects_but_never_weights(arch):
         router.e_score_correction_bias.zero_()
         router.e_score_correction_bias[favoured] = 10.0  # beats any sigmoid score in [0, 1]
         logits_TE, native_gates_TK, native_ids_TK = router(random_hidden(router, seed=3))
-    spec = RouterSpec.from_router(router, facts)
+    spec = router_spec(router, facts)
 
     _, without_ids = route(logits_TE, spec, None, None)
     assert not (without_ids == favoured).any(dim=-1).all()  # not chosen for every token on its own
@@ -293,7 +293,7 @@ def test_deepseek_v3_groups_exclude_the_single_best_expert_of_a_weak_group():
     logits = [3.0, 3.0, -5, -5, 2.5, 2.5, -5, -5, -5, -5, -5, -5, 4.0, -9, -9, -9]
     router, hidden = _router_reading_logits(routers[0], logits)
     logits_TE, native_gates_TK, native_ids_TK = router(hidden)
-    spec = RouterSpec.from_router(router, facts)
+    spec = router_spec(router, facts)
     assert (spec.num_groups, spec.topk_groups, spec.top_k) == (4, 2, 4)
 
     gates_TK, ids_TK = route(logits_TE, spec, None, router.e_score_correction_bias)
@@ -324,7 +324,7 @@ def test_deepseek_v2_groups_exclude_experts_of_losing_groups():
     router, hidden = _router_reading_logits(routers[0], logits)
     router.topk_group = 1
     logits_TE, native_gates_TK, native_ids_TK = router(hidden)
-    spec = RouterSpec.from_router(router, facts)
+    spec = router_spec(router, facts)
     assert (spec.group_scoring, spec.num_groups, spec.topk_groups) == ("max", 4, 1)
 
     gates_TK, ids_TK = route(logits_TE, spec)
@@ -350,7 +350,7 @@ def test_tiny_deepseek_v2_groups_are_live():
     router = copy.deepcopy(routers[0])
     router.topk_group = 1
     logits_TE, _, ids_TK = router(random_hidden(router, seed=4))
-    spec = RouterSpec.from_router(router, facts)
+    spec = router_spec(router, facts)
     assert torch.equal(route(logits_TE, spec)[1], ids_TK)
     plain = torch.topk(logits_TE, 2).indices.sort(-1).values
     assert (plain != ids_TK.sort(-1).values).any()

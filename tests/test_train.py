@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from rpb.anchors import METHODS, PriorMismatchError
 from rpb.collect import collect
 from rpb.config import ConfigError, load_config
-from rpb.toy.data import conversations, write_jsonl
-from rpb.toy.models import ARCHITECTURES
+from rpb.testing.data import conversations, write_jsonl
+from rpb.testing.models import ARCHITECTURES
 from rpb.train import deterministic_algorithms, run_training
 
 ARCHS = ("moonlight", "qwen3_moe", "mixtral")
@@ -163,7 +163,7 @@ def test_deterministic_kernels_repeat_the_toy_world_backward_exactly():
     """At the toy world's size the default CPU backward is not repeatable (index_put_ accumulates
     in thread order: 44 of 52 gradients differed on 2 cores); inside the block
     every gradient repeats bit for bit, and the caller's setting comes back afterwards."""
-    from rpb.toy.models import tiny_config
+    from rpb.testing.models import tiny_config
     from rpb.toyworld.base import BaseRecipe
 
     torch.manual_seed(0)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -92,14 +93,25 @@ def test_different_row_count_is_caught(collected, tmp_path):
     assert any("has 7 rows, the prior has 6" in p for p in problems)
 
 
-def test_prior_from_another_model_is_caught(collected, save_tiny):
+def test_prior_from_another_model_is_caught(collected, save_tiny, tmp_path):
     out, _ = collected
     other = validate_artifact(out, expected_model=str(save_tiny("qwen3_moe")))
-    assert any("different configuration" in p for p in other.problems)
+    assert any("whose routers differ" in p for p in other.problems)
+    assert any(p.startswith("model: num_experts") or p.startswith("model: moe_layers") for p in other.problems) or any(
+        "routers_sha256" in p for p in other.problems
+    )
+    # the same configuration with other weights: a config hash cannot tell them apart, the routers can
     same_config_other_weights = validate_artifact(out, expected_model=str(save_tiny("moonlight", seed=1)))
-    assert same_config_other_weights.ok  # a config hash cannot see weights; the model id is recorded for that
+    assert [p.split(":")[1].strip() for p in same_config_other_weights.problems] == ["the prior was collected on "
+        f"{str(save_tiny('moonlight'))!r}, whose routers differ from {str(save_tiny('moonlight', seed=1))!r}'s",
+        "routers_sha256"]  # fmt: skip
+    # the very checkpoint, moved: the same routers
+    moved = tmp_path / "moved"
+    shutil.copytree(save_tiny("moonlight"), moved)
+    assert validate_artifact(out, expected_model=str(moved)).ok
+    # a hub id that is not in the local cache: nothing is downloaded, and the problem says what to pass
     by_name = validate_artifact(out, expected_model="moonshotai/Moonlight-16B-A3B")
-    assert any("expected 'moonshotai/Moonlight-16B-A3B'" in p for p in by_name.problems)
+    assert any("neither a checkpoint directory nor in the local Hugging Face cache" in p for p in by_name.problems)
 
 
 def test_shape_expectations(collected):

@@ -21,7 +21,6 @@ import math
 import os
 import struct
 import sys
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from rpb.errors import RpbError
+from rpb.fileio import atomic_path
 
 SCHEMA = "rpb_prior"
 SCHEMA_VERSION = 1
@@ -75,19 +77,9 @@ class PriorArtifact:
 
 
 def atomic_save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | Path) -> None:
-    """save_file to a temporary name beside ``path``, fsync, then rename over it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """safetensors' ``save_file``, atomically (``rpb.fileio.atomic_path``)."""
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def header_metadata(metadata: dict) -> dict[str, str]:
@@ -143,35 +135,25 @@ def write_streamed(
     in ``tmp_dir`` (same filesystem as ``path``; default: beside it)."""
     if sys.byteorder != "little":  # safetensors is little-endian and the bytes are written as they lie
         raise RuntimeError("write_streamed needs a little-endian machine")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=tmp_dir or path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(safetensors_header(specs, metadata))
-            for spec in specs:
-                written = 0
-                for piece in pieces(spec):
-                    if piece.dtype != spec.dtype or tuple(piece.shape[1:]) != spec.shape[1:]:
-                        raise ValueError(
-                            f"{spec.name}: a piece of {piece.dtype} {tuple(piece.shape)} does not fit "
-                            f"{spec.dtype} {spec.shape}"
-                        )
-                    data = piece.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                    f.write(memoryview(data))
-                    written += data.nbytes
-                if written != spec.nbytes:
-                    raise ValueError(f"{spec.name}: {written} bytes written, the header says {spec.nbytes}")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path, tmp_dir=tmp_dir) as tmp, open(tmp, "wb") as f:
+        f.write(safetensors_header(specs, metadata))
+        for spec in specs:
+            written = 0
+            for piece in pieces(spec):
+                if piece.dtype != spec.dtype or tuple(piece.shape[1:]) != spec.shape[1:]:
+                    raise ValueError(
+                        f"{spec.name}: a piece of {piece.dtype} {tuple(piece.shape)} does not fit "
+                        f"{spec.dtype} {spec.shape}"
+                    )
+                data = piece.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                f.write(memoryview(data))
+                written += data.nbytes
+            if written != spec.nbytes:
+                raise ValueError(f"{spec.name}: {written} bytes written, the header says {spec.nbytes}")
 
 
-class ArtifactError(ValueError):
-    pass
+class ArtifactError(RpbError):
+    """A file that is not a readable rpb prior artifact."""
 
 
 def read_metadata(path: str | Path) -> dict:

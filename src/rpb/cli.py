@@ -1,17 +1,21 @@
 """``rpb``: collect | validate | render | train | retention | demo | experiment | megatron-check.
 
-Thin: parses arguments, calls the library."""
+Thin: parses arguments, calls the library. A problem with the input (any ``rpb.errors.RpbError``:
+bad rows, a bad configuration, a prior of another run, an unsupported model, a bad argument)
+prints its message and exits 2; anything else is a bug and exits 1 with its traceback.
+``--debug`` prints the traceback in both cases.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import traceback
 
-from rpb.anchors.verify import PriorMismatchError
-from rpb.config import ConfigError
-from rpb.data.errors import DataError
-from rpb.retention.run import RoutingMismatchError
+from rpb.errors import RpbError
+from rpb.models import DTYPES
+from rpb.prior import ROUTER_TRANSFORMS
 
 
 def _collect(args) -> int:
@@ -55,8 +59,8 @@ def _validate(args) -> int:
 
 
 def _render(args) -> int:
-    from rpb.collect import load_tokenizer
-    from rpb.render import render_file
+    from rpb.data.render import render_file
+    from rpb.models import load_tokenizer
 
     n = render_file(load_tokenizer(args.tokenizer, args.trust_remote_code), args.input, args.out)
     print(f"wrote {n} rows to {args.out}")
@@ -83,7 +87,7 @@ def _retention(args) -> int:
 
 
 def _demo(args) -> int:
-    from rpb.demo import run_demo
+    from rpb.toyworld.demo import run_demo
 
     return run_demo(args.out, cache_dir=args.cache_dir, progress=not args.no_progress)
 
@@ -131,17 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rpb", description="Router Prior Bias: soft router anchoring for MoE post-training"
     )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="print the traceback of every error")
     sub = p.add_subparsers(dest="command", required=True)
+    add = lambda name, **kw: sub.add_parser(name, parents=[common], **kw)  # noqa: E731
 
-    c = sub.add_parser("collect", help="collect the frozen base model's routing prior over a JSONL file")
+    c = add("collect", help="collect the frozen base model's routing prior over a JSONL file")
     c.add_argument("--model", required=True, help="base checkpoint directory or hub id")
     c.add_argument("--data-jsonl", required=True, help="training conversations, one JSON object per line")
     c.add_argument("--out-path", required=True, help="where to write the .safetensors prior")
     c.add_argument("--top-k", type=int, required=True, help="must equal the model's own top-k")
     c.add_argument("--max-seq-len", type=int, required=True, help="right-truncate to this many routed positions")
-    c.add_argument("--router-transform", default="softmax", choices=["softmax", "sigmoid-normalized"])
+    c.add_argument("--router-transform", default="softmax", choices=ROUTER_TRANSFORMS)
     c.add_argument("--batch-size", type=int, default=8)
-    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--dtype", default="float32", choices=list(DTYPES))
     c.add_argument("--tokenizer", help="tokenizer directory or hub id (default: --model)")
     c.add_argument(
         "--trust-remote-code", action="store_true", help="allow the tokenizer's own code (never the model's)"
@@ -155,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(func=_collect)
 
-    v = sub.add_parser("validate", help="check a prior artifact, optionally against its data and model")
+    v = add("validate", help="check a prior artifact, optionally against its data and model")
     v.add_argument("artifact")
     v.add_argument("--data-jsonl")
     v.add_argument("--expected-model")
@@ -163,21 +170,21 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--expected-experts", type=int)
     v.set_defaults(func=_validate)
 
-    r = sub.add_parser("render", help="turn question/answer rows into reference-form input/output rows")
+    r = add("render", help="turn question/answer rows into reference-form input/output rows")
     r.add_argument("--tokenizer", required=True)
     r.add_argument("--in", dest="input", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--trust-remote-code", action="store_true")
     r.set_defaults(func=_render)
 
-    t = sub.add_parser("train", help="post-train with an anchor (rpb, lbl, router-l2, kl-to-base, ...)")
+    t = add("train", help="post-train with an anchor (rpb, lbl, router-l2, kl-to-base, ...)")
     t.add_argument("--config", help="YAML run configuration")
     t.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. anchor.beta=0.5")
     t.add_argument("--dry-run", action="store_true", help="validate the configuration and stop")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=_train)
 
-    r = sub.add_parser("retention", help="how much of the base routing a post-trained model kept (bias-free)")
+    r = add("retention", help="how much of the base routing a post-trained model kept (bias-free)")
     r.add_argument("--base", required=True, help="base checkpoint")
     r.add_argument("--post", help="post-trained checkpoint (omit to describe the base alone)")
     r.add_argument("--data-jsonl", required=True)
@@ -189,24 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-seq-len", type=int, default=2048)
     r.add_argument("--tokenizer", help="default: --base")
     r.add_argument("--adapter")
-    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    r.add_argument("--dtype", default="float32", choices=list(DTYPES))
     r.add_argument("--device", default="auto")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=_retention)
 
-    m = sub.add_parser("megatron-check", help="validate a Megatron-Bridge run configuration (no GPU, no Bridge)")
+    m = add("megatron-check", help="validate a Megatron-Bridge run configuration (no GPU, no Bridge)")
     m.add_argument("config", help="e.g. examples/moonlight/config.yaml")
     m.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. train.seed=43")
     m.add_argument("--files", action="store_true", help="also check the checkpoint, data and prior files")
     m.set_defaults(func=_megatron_check)
 
-    d = sub.add_parser("demo", help="the paper's study in miniature: toy base -> prior -> sft, lbl, rpb -> table")
+    d = add("demo", help="the paper's study in miniature: toy base -> prior -> sft, lbl, rpb -> table")
     d.add_argument("--out", default="rpb-demo")
     d.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
 
-    x = sub.add_parser("experiment", help="the toy-world study: every anchor x seeds x post-training sets, tables")
+    x = add("experiment", help="the toy-world study: every anchor x seeds x post-training sets, tables")
     x.add_argument(
         "--grid", default="small", choices=["full", "small", "beta"],
         help="full: 11 methods x 3 seeds x 2 sets; small: 4 methods x 1 seed on the math set; beta: rpb over beta",
@@ -230,12 +237,15 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
-    except (DataError, ConfigError, PriorMismatchError, RoutingMismatchError) as e:
+    except RpbError as e:  # the message names what is wrong and where
+        if args.debug:
+            traceback.print_exc()
         print(f"rpb {args.command}: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"rpb {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except Exception:  # a bug, or a failure rpb does not know how to explain: show where it happened
+        traceback.print_exc()
+        print(f"rpb {args.command}: failed with the error above", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

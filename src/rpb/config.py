@@ -14,9 +14,11 @@ from pathlib import Path
 
 import yaml
 
-from rpb.anchors.handle import AnchorConfig
-from rpb.anchors.methods import get_method
-from rpb.train_data import LOSS_ON
+from rpb.anchors.config import AnchorConfig
+from rpb.anchors.methods import METHODS
+from rpb.data.batches import LossOn
+from rpb.errors import RpbError
+from rpb.models import DtypeName
 
 # YAML spells Python's reserved word as "lambda"
 _KEY_ALIASES = {"lambda": "lambda_"}
@@ -29,13 +31,13 @@ class TrainSection:
     lr: float = 1e-5
     batch_size: int = 8
     grad_accum: int = 1
-    loss_on: str = "answer"
+    loss_on: LossOn = "answer"
     gradient_checkpointing: bool = False
     #: None: the prior's max_seq_len (they must agree); required for methods without a prior
     max_seq_len: int | None = None
     log_every: int = 10
     report_to: list[str] = field(default_factory=lambda: ["none"])
-    dtype: str = "float32"
+    dtype: DtypeName = "float32"
     weight_decay: float = 0.0
     warmup_steps: int = 0
     lr_scheduler: str = "constant"
@@ -69,7 +71,7 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
 
 
-class ConfigError(ValueError):
+class ConfigError(RpbError):
     def __init__(self, source: str, problems: list[str]):
         self.problems = problems
         super().__init__(f"{source}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
@@ -77,6 +79,8 @@ class ConfigError(ValueError):
 
 def _accepts(tp, value) -> bool:
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         return any(_accepts(a, value) for a in typing.get_args(tp))
     if tp is type(None):
@@ -101,7 +105,22 @@ def _yaml_float(value):
     return value
 
 
-def _build(cls, data: dict, prefix: str, problems: list[str]):
+def _describe(tp) -> str:
+    """A type as a config problem names it: ``one of 'answer', 'all'``, ``float or None``, ``int``."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp))
+
+
+def build_section(cls, data: dict, problems: list[str], prefix: str = ""):
+    """``cls(**data)`` for a dataclass of config fields (nested dataclasses are sections), checking
+    every key and value against the field types (``Literal`` values included); each problem is added
+    to ``problems`` and the field keeps its default."""
     if not isinstance(data, dict):
         problems.append(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
         return cls()
@@ -117,11 +136,11 @@ def _build(cls, data: dict, prefix: str, problems: list[str]):
         tp = hints[name]
         value = _yaml_float(value) if _accepts(tp, 0.5) else value
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, f"{where}.", problems)
+            kwargs[name] = build_section(tp, value, problems, f"{where}.")
         elif _accepts(tp, value):
             kwargs[name] = float(value) if tp is float else value
         else:
-            problems.append(f"{where}: expected {getattr(tp, '__name__', str(tp))}, got {value!r}")
+            problems.append(f"{where}: expected {_describe(tp)}, got {value!r}")
     return cls(**kwargs)
 
 
@@ -161,7 +180,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     problems: list[str] = []
     source = str(path) if path else "command line"
     tree = read_tree(path, overrides, problems)
-    cfg = _build(RunConfig, tree, "", problems)
+    cfg = build_section(RunConfig, tree, problems)
     problems += validate(cfg)
     if problems:
         raise ConfigError(source, problems)
@@ -176,10 +195,7 @@ def validate(cfg: RunConfig) -> list[str]:
     if cfg.data_jsonl and not Path(cfg.data_jsonl).is_file():
         out.append(f"data_jsonl: {cfg.data_jsonl} does not exist")
     out += cfg.anchor.problems()
-    try:
-        method = get_method(cfg.anchor.method)
-    except ValueError:
-        method = None
+    method = METHODS.get(cfg.anchor.method)  # None: anchor.problems() names it
     if method is not None and method.needs_prior and not cfg.prior:
         out.append(f"prior: required by anchor.method {method.name!r} (collect one with `rpb collect`)")
     if cfg.prior and not Path(cfg.prior).is_file():
@@ -194,8 +210,4 @@ def validate(cfg: RunConfig) -> list[str]:
         out.append(f"train.max_seq_len: must be >= 2, got {t.max_seq_len}")
     if t.lr <= 0:
         out.append(f"train.lr: must be > 0, got {t.lr}")
-    if t.loss_on not in LOSS_ON:
-        out.append(f"train.loss_on: one of {LOSS_ON}, got {t.loss_on!r}")
-    if t.dtype not in ("float32", "bfloat16", "float16"):
-        out.append(f"train.dtype: one of float32, bfloat16, float16, got {t.dtype!r}")
     return out

@@ -9,6 +9,8 @@ Nothing here knows about models, files or tokenizers.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
 #: Span ids used on every per-token label tensor. Structural and padding tokens are -1.
@@ -19,7 +21,8 @@ NUM_SPANS = 2
 SPAN_NAMES = ("Q", "A")
 
 #: Router transforms p_base(e | x_t) that a prior may be collected under.
-ROUTER_TRANSFORMS = ("softmax", "sigmoid-normalized")
+RouterTransform = Literal["softmax", "sigmoid-normalized"]
+ROUTER_TRANSFORMS: tuple[str, ...] = get_args(RouterTransform)
 
 DEFAULT_EPS = 0.05
 DEFAULT_CLIP = 5.0

@@ -19,14 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
-from rpb.adapters.hf import RouterFacts
 
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """One router's selection pipeline, resolved from its family's facts and its own attributes."""
+    """One router's selection pipeline (``rpb.adapters.router_spec`` reads it off a model's router)."""
 
     score_function: str
     top_k: int
@@ -39,27 +36,6 @@ class RouterSpec:
     scaling: float = 1.0
     topk_sorted: bool = True
     weights_in_logits_dtype: bool = False
-
-    @classmethod
-    def from_router(cls, router: nn.Module, facts: RouterFacts) -> RouterSpec:
-        group_scoring = facts.group_scoring
-        if facts.group_switch is not None and getattr(router, facts.group_switch[0], None) != facts.group_switch[1]:
-            group_scoring = None
-        num_groups, topk_groups = (getattr(router, a, None) or 1 for a in facts.group_attrs)
-        normalize = facts.normalize if isinstance(facts.normalize, bool) else bool(getattr(router, facts.normalize))
-        return cls(
-            score_function=facts.score_function,
-            top_k=int(getattr(router, facts.top_k_attr)),
-            num_experts=int(router.weight.shape[0]),
-            group_scoring=group_scoring if num_groups > 1 else None,
-            num_groups=int(num_groups),
-            topk_groups=int(topk_groups),
-            normalize=normalize,
-            normalize_eps=facts.normalize_eps,
-            scaling=float(getattr(router, facts.scaling_attr)) if facts.scaling_attr else 1.0,
-            topk_sorted=facts.topk_sorted,
-            weights_in_logits_dtype=facts.weights_in_logits_dtype,
-        )
 
 
 def scores(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:

@@ -17,19 +17,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
 from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
-from rpb.anchors import AnchorHandle, RunFacts, install_anchor, verify_prior
-from rpb.anchors.controls import base_communities
-from rpb.anchors.methods import get_method
+from rpb.anchors import AnchorHandle, RunFacts, get_method, install_anchor, verify_prior
+from rpb.anchors.controls import base_communities, layer_permutations
 from rpb.artifact import load_artifact
-from rpb.collect import DTYPES, load_tokenizer
-from rpb.communities import layer_permutations
 from rpb.config import RunConfig
-from rpb.data import ChatTemplate, load_labelled
-from rpb.train_data import AnchorCollator, ExampleDataset
+from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, load_labelled
+from rpb.fileio import write_text_atomic
+from rpb.models import load_causal_lm, load_tokenizer, pad_id_of
 
 
 class AnchorTrainerMixin:
@@ -118,7 +116,7 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
     max_seq_len = cfg.train.max_seq_len or meta["max_seq_len"]
     data = load_labelled(cfg.data_jsonl, tokenizer, max_seq_len)  # every bad row, before any compute
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.train.dtype], trust_remote_code=False)
+    model = load_causal_lm(cfg.model, cfg.train.dtype)
     facts = get_adapter(cfg.adapter or model.config.model_type)
     layers = find_moe_layers(model, facts)
     if artifact is not None:
@@ -138,14 +136,16 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
         verify_prior(meta, run, cfg.prior)
     anchor_cfg = cfg.anchor
     if anchor_cfg.router_transform is None and meta:
-        anchor_cfg.router_transform = meta["router_transform"]
+        # a copy: the caller's configuration stays as given (it is recorded in rpb_run.json)
+        anchor_cfg = dataclasses.replace(anchor_cfg, router_transform=meta["router_transform"])
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    info: dict = {"method": method.name, "rows": data.num_rows, "max_seq_len": max_seq_len}
+    pad_id = pad_id_of(tokenizer)
+    info: dict = {"method": method.name, "rows": data.num_rows, "max_seq_len": max_seq_len,
+                  "router_transform": anchor_cfg.router_transform}  # fmt: skip
     sigma_LE = None
     if method.shuffle is not None:
         labels_LE = None
-        if method.shuffle == "within":
+        if method.needs_communities:
             comm = base_communities(
                 model, layers, data.examples, cfg.anchor.shuffle_seed, cfg.anchor.community_resolution,
                 cfg.train.batch_size, pad_id, progress,
@@ -229,6 +229,8 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
     ``callbacks`` given: they replace the Trainer's own progress bar and console log lines (the
     JSONL log is always written), for callers that show their own progress.
     """
+    # a process group that exists now is the caller's; one the Trainer starts (torchrun) is ours to end
+    owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     prepared = prepare_run(cfg, progress and callbacks is None)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -253,8 +255,9 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
             prepared.tokenizer.save_pretrained(out)
     if trainer.is_world_process_zero():
         record = {"config": asdict(cfg), **prepared.info}
-        (out / "rpb_run.json").write_text(json.dumps(record, indent=1, default=str))
+        write_text_atomic(out / "rpb_run.json", json.dumps(record, indent=1, default=str))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        if owns_group:
+            torch.distributed.destroy_process_group()
     return out

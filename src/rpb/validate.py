@@ -1,7 +1,9 @@
 """Checks that a prior artifact is well-formed and belongs to the data and model at hand.
 
 Every problem is collected (none stops the others from being checked); the caller
-prints them all and exits non-zero when there is any.
+prints them all and exits non-zero when there is any. The model is judged as ``rpb train``
+judges it (``rpb.anchors.verify.model_mismatches``): by its routers' fingerprint, top-k,
+MoE layers and experts, read from the checkpoint's safetensors shards without loading it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ from pathlib import Path
 
 import torch
 
+from rpb.adapters import checkpoint_routers_sha256
+from rpb.anchors.verify import model_mismatches
 from rpb.artifact import REQUIRED_METADATA, SCHEMA, SCHEMA_VERSION, ArtifactError, load_artifact
 from rpb.data.jsonl import file_sha256, row_digests
+from rpb.errors import RpbError
+from rpb.retention.metrics import entropy_bits
 
 ROW_SUM_TOLERANCE = 1e-4
 
@@ -46,9 +52,7 @@ class ValidationReport:
 
 def utilization_entropy_bits(prior_NSLE: torch.Tensor) -> torch.Tensor:
     """Entropy (bits) of the mean prior over samples, per span and layer: ``[S, L]``."""
-    mean_SLE = prior_NSLE.double().mean(dim=0)
-    p = mean_SLE / mean_SLE.sum(dim=-1, keepdim=True)
-    return -(p * torch.log2(p.clamp_min(1e-300))).sum(dim=-1).float()
+    return entropy_bits(prior_NSLE.double().mean(dim=0))
 
 
 def _check_metadata(meta: dict, problems: list[str]) -> None:
@@ -135,24 +139,44 @@ def _check_data(art, meta: dict, data_jsonl: Path, problems: list[str]) -> None:
         problems.append(f"data: {gone} collected row(s) are no longer in the file")
 
 
-def _check_model(meta: dict, expected_model: str, problems: list[str]) -> None:
-    if expected_model == meta.get("model"):
-        return
-    config = Path(expected_model) / "config.json"
-    if config.is_file():
-        from transformers import AutoConfig
+def _model_dir(expected_model: str) -> Path:
+    """A checkpoint directory, or a hub id already in the local Hugging Face cache (nothing is downloaded)."""
+    if Path(expected_model).is_dir():
+        return Path(expected_model)
+    from huggingface_hub import snapshot_download
 
-        from rpb.collect import config_sha256
-
-        sha = config_sha256(AutoConfig.from_pretrained(expected_model, trust_remote_code=False))
-        if sha == meta.get("model_config_sha256"):
-            return
-        problems.append(
-            f"model: the prior was collected on {meta.get('model')!r}; {expected_model!r} has a different "
-            f"configuration (config sha256 {sha[:12]}... vs {str(meta.get('model_config_sha256'))[:12]}...)"
+    try:
+        return Path(
+            snapshot_download(expected_model, local_files_only=True, allow_patterns=["*.json", "*.safetensors"])
         )
-    else:
-        problems.append(f"model: the prior was collected on {meta.get('model')!r}, expected {expected_model!r}")
+    except Exception:  # the hub client raises several kinds for "not cached" and "not a repo id"
+        raise ArtifactError(
+            f"{expected_model!r} is neither a checkpoint directory nor in the local Hugging Face cache; "
+            "pass the directory whose routers to fingerprint"
+        ) from None
+
+
+def _check_model(meta: dict, expected_model: str, problems: list[str]) -> None:
+    from transformers import AutoConfig
+
+    try:
+        model_dir = _model_dir(expected_model)
+        model_type = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False).model_type
+        # routed with another family's facts at collection (--adapter)? the same model is, here too
+        adapter = meta.get("adapter") if model_type == meta.get("model_type") else None
+        found = checkpoint_routers_sha256(model_dir, adapter)
+    except (RpbError, OSError, ValueError) as e:
+        problems.append(f"model: {e}")
+        return
+    mismatches = model_mismatches(
+        meta, model=expected_model, routers_sha256=found.routers_sha256, top_k=found.top_k,
+        moe_layers=found.moe_layers, num_experts=found.num_experts,
+    )  # fmt: skip
+    for name, old, new in mismatches:
+        if name == "model":
+            problems.append(f"model: the prior was collected on {old!r}, whose routers differ from {new!r}'s")
+        else:
+            problems.append(f"model: {name}: the prior has {old!r}, {expected_model!r} has {new!r}")
 
 
 def validate_artifact(

@@ -1,5 +1,6 @@
-"""How to find and drive the routers of each model family (facts as data)."""
+"""How to find and drive the routers of each model family (facts as data), and their fingerprint."""
 
+from rpb.adapters.fingerprint import CheckpointRouters, checkpoint_routers_sha256, routers_sha256
 from rpb.adapters.hf import (
     ADAPTERS,
     MoELayer,
@@ -8,16 +9,21 @@ from rpb.adapters.hf import (
     find_moe_layers,
     get_adapter,
     register_adapter,
-    routers_sha256,
+    router_output,
+    router_spec,
 )
 
 __all__ = [
     "ADAPTERS",
+    "CheckpointRouters",
     "MoELayer",
     "RouterFacts",
     "UnsupportedModelError",
+    "checkpoint_routers_sha256",
     "find_moe_layers",
     "get_adapter",
     "register_adapter",
+    "router_output",
+    "router_spec",
     "routers_sha256",
 ]

@@ -15,12 +15,14 @@ describe the model's own routing pipeline, which the training anchors reproduce.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from rpb.errors import ArgumentError, RpbError
+from rpb.routing import RouterSpec
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,9 @@ ADAPTERS: dict[str, RouterFacts] = {}
 def register_adapter(facts: RouterFacts, *, overwrite: bool = False) -> RouterFacts:
     """Add (or, with overwrite=True, replace) the router facts for a model_type."""
     if facts.model_type in ADAPTERS and not overwrite:
-        raise ValueError(f"an adapter for model_type {facts.model_type!r} exists; pass overwrite=True to replace it")
+        raise ArgumentError(f"an adapter for model_type {facts.model_type!r} exists; pass overwrite=True to replace it")
     if facts.score_function not in ("sigmoid", "softmax"):
-        raise ValueError(f"score_function must be 'sigmoid' or 'softmax', got {facts.score_function!r}")
+        raise ArgumentError(f"score_function must be 'sigmoid' or 'softmax', got {facts.score_function!r}")
     ADAPTERS[facts.model_type] = facts
     return facts
 
@@ -99,8 +101,8 @@ for _facts in (
     register_adapter(_facts)
 
 
-class UnsupportedModelError(ValueError):
-    pass
+class UnsupportedModelError(RpbError):
+    """No adapter fits the model (unknown model_type, or routers that do not match their facts)."""
 
 
 def get_adapter(model_type: str) -> RouterFacts:
@@ -124,23 +126,6 @@ class MoELayer:
     router: nn.Module
 
 
-def routers_sha256(layers: list[MoELayer], facts: RouterFacts) -> str:
-    """A fingerprint of the base routing itself: every router weight and expert bias, in layer order.
-
-    Hashed as bfloat16 so that the same checkpoint loaded in float32 or bfloat16 gives the
-    same fingerprint (bf16 rounding of the same source values is deterministic); a config
-    hash cannot tell two checkpoints of one architecture apart, this can.
-    """
-    h = hashlib.sha256()
-    for layer in layers:
-        tensors = [layer.router.weight]
-        if facts.expert_bias is not None:
-            tensors.append(getattr(layer.router, facts.expert_bias))
-        for t in tensors:
-            h.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
-    return h.hexdigest()
-
-
 def find_moe_layers(model: nn.Module, facts: RouterFacts) -> list[MoELayer]:
     """Every router of ``model`` in layer order; fails loudly when none or a wrong class matches."""
     pattern = re.compile(facts.router_path)
@@ -162,3 +147,41 @@ def find_moe_layers(model: nn.Module, facts: RouterFacts) -> list[MoELayer]:
         )
     found.sort(key=lambda m: m.layer_index)
     return found
+
+
+def router_spec(router: nn.Module, facts: RouterFacts) -> RouterSpec:
+    """One router's selection pipeline, resolved from its family's facts and its own attributes."""
+    group_scoring = facts.group_scoring
+    if facts.group_switch is not None and getattr(router, facts.group_switch[0], None) != facts.group_switch[1]:
+        group_scoring = None
+    num_groups, topk_groups = (getattr(router, a, None) or 1 for a in facts.group_attrs)
+    normalize = facts.normalize if isinstance(facts.normalize, bool) else bool(getattr(router, facts.normalize))
+    return RouterSpec(
+        score_function=facts.score_function,
+        top_k=int(getattr(router, facts.top_k_attr)),
+        num_experts=int(router.weight.shape[0]),
+        group_scoring=group_scoring if num_groups > 1 else None,
+        num_groups=int(num_groups),
+        topk_groups=int(topk_groups),
+        normalize=normalize,
+        normalize_eps=facts.normalize_eps,
+        scaling=float(getattr(router, facts.scaling_attr)) if facts.scaling_attr else 1.0,
+        topk_sorted=facts.topk_sorted,
+        weights_in_logits_dtype=facts.weights_in_logits_dtype,
+    )
+
+
+def router_output(layer: MoELayer, output) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(logits_TE, gates_TK, topk_ids_TK)`` of one router forward.
+
+    transformers v5 routers return that triple; a router that returns its logits alone gives
+    ``(logits, None, None)``, which is enough for the prior but not for reading its selection.
+    """
+    if isinstance(output, torch.Tensor):
+        return output, None, None
+    if isinstance(output, tuple) and len(output) == 3:
+        return output
+    raise UnsupportedModelError(
+        f"router {layer.name} returned a {type(output).__name__}, not the (logits, weights, indices) that "
+        "transformers v5 routers return"
+    )

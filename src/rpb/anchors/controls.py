@@ -2,9 +2,12 @@
 
 within-soft / within-hard move the prior by one seeded permutation per MoE layer that maps
 every expert to an expert of the same base community; global-hard by one seeded
-permutation per layer over all experts. Communities come from seeded Louvain on the base
-model's co-activation graph (eq. 1) over the training data, using the same library
-functions as the retention diagnostics.
+permutation per layer over all experts: pi'[x, s, l, sigma_l(e)] = pi[x, s, l, e].
+Communities come from seeded Louvain on the base model's co-activation graph (eq. 1) over
+the training data, using the same library functions as the retention diagnostics.
+
+Shape legend: E experts, L MoE layers (positions in the model's list of MoE layers),
+N samples, S spans.
 """
 
 from __future__ import annotations
@@ -14,9 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from rpb.adapters import MoELayer
-from rpb.communities import CoactivationAccumulator, louvain
 from rpb.data import Example
-from rpb.trace import trace_topk
+from rpb.retention.communities import CoactivationAccumulator, louvain
+from rpb.retention.trace import trace_topk
+
+PERMUTATION_MODES = ("within", "global")
+
+#: Layer l of a run with seed s draws its permutation from a generator seeded with
+#: ``s * LAYER_SEED_STRIDE + l``. Injective while l < stride, so no two (seed, layer) pairs share a stream.
+LAYER_SEED_STRIDE = 1_000_000
 
 
 @dataclass
@@ -50,3 +59,75 @@ def base_communities(
         labels.append(lab)
         mods.append(q)
     return BaseCommunities(torch.stack(labels), mods, tokens)
+
+
+def within_community_permutation(labels_E: torch.Tensor, seed: int) -> torch.Tensor:
+    """sigma_E with labels[sigma[e]] == labels[e]: a uniform random permutation inside each community.
+
+    Communities are visited in ascending label order, each drawing one ``randperm`` from a
+    generator seeded with ``seed``, so the result depends only on (labels, seed). Singleton
+    communities are fixed points.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    labels_E = labels_E.cpu()
+    sigma_E = torch.arange(labels_E.shape[0], dtype=torch.int64)
+    for label in torch.unique(labels_E).tolist():
+        members = torch.nonzero(labels_E == label).flatten()
+        sigma_E[members] = members[torch.randperm(members.numel(), generator=generator)]
+    return sigma_E
+
+
+def global_permutation(num_experts: int, seed: int) -> torch.Tensor:
+    """sigma_E: a uniform random permutation of all experts, ignoring communities."""
+    return torch.randperm(num_experts, generator=torch.Generator().manual_seed(seed))
+
+
+def layer_seed(seed: int, layer_pos: int) -> int:
+    """Seed of layer ``layer_pos``'s permutation: ``seed * LAYER_SEED_STRIDE + layer_pos``."""
+    if seed < 0 or not 0 <= layer_pos < LAYER_SEED_STRIDE:
+        raise ValueError(f"need seed >= 0 and 0 <= layer_pos < {LAYER_SEED_STRIDE}, got {seed}, {layer_pos}")
+    return seed * LAYER_SEED_STRIDE + layer_pos
+
+
+def layer_permutations(
+    labels_LE: torch.Tensor | None, num_experts: int, seed: int, mode: str, num_layers: int | None = None
+) -> torch.Tensor:
+    """One permutation per MoE layer: ``sigma_LE``.
+
+    Layer l uses ``layer_seed(seed, l) = seed * 1_000_000 + l``, so logging ``seed`` and ``mode``
+    (plus the base labels for "within") is enough to rebuild every sigma_l. "within" keeps each
+    expert inside its base community (needs ``labels_LE``); "global" permutes all experts and only
+    reads the layer count, from ``labels_LE`` or ``num_layers``.
+    """
+    if mode not in PERMUTATION_MODES:
+        raise ValueError(f"unknown permutation mode {mode!r}; choose one of {PERMUTATION_MODES}")
+    if labels_LE is not None:
+        if labels_LE.dim() != 2 or labels_LE.shape[1] != num_experts:
+            raise ValueError(f"labels must be [L, {num_experts}], got shape {tuple(labels_LE.shape)}")
+        if num_layers is not None and num_layers != labels_LE.shape[0]:
+            raise ValueError(f"num_layers={num_layers} disagrees with labels for {labels_LE.shape[0]} layers")
+        num_layers = labels_LE.shape[0]
+    if mode == "within":
+        if labels_LE is None:
+            raise ValueError("mode 'within' needs the base community labels (labels_LE)")
+        rows = [within_community_permutation(labels_LE[pos], layer_seed(seed, pos)) for pos in range(num_layers)]
+    else:
+        if num_layers is None:
+            raise ValueError("mode 'global' needs labels_LE or num_layers to know how many layers to draw")
+        rows = [global_permutation(num_experts, layer_seed(seed, pos)) for pos in range(num_layers)]
+    return torch.stack(rows) if rows else torch.empty(0, num_experts, dtype=torch.int64)
+
+
+def shuffle_prior(pi_NSLE: torch.Tensor, sigma_LE: torch.Tensor) -> torch.Tensor:
+    """pi'[..., l, sigma_l(e)] = pi[..., l, e]: expert e's prior mass moves to expert sigma_l(e).
+
+    Shape and dtype are kept, and so is every row's total, because each sigma_l is checked to
+    be a bijection (a repeated target would silently drop mass). Any leading dims are allowed.
+    """
+    if pi_NSLE.shape[-2:] != sigma_LE.shape:
+        raise ValueError(f"sigma must be [L, E] = {tuple(pi_NSLE.shape[-2:])}, got shape {tuple(sigma_LE.shape)}")
+    sigma_LE = sigma_LE.to(pi_NSLE.device, torch.int64)
+    arange_LE = torch.arange(sigma_LE.shape[1], device=sigma_LE.device).expand_as(sigma_LE)
+    if not torch.equal(sigma_LE.sort(dim=1).values, arange_LE):
+        raise ValueError("every row of sigma must be a permutation of 0..E-1")
+    return torch.empty_like(pi_NSLE).scatter_(-1, sigma_LE.expand_as(pi_NSLE), pi_NSLE)

@@ -25,51 +25,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rpb import losses
-from rpb.adapters import MoELayer, RouterFacts, find_moe_layers, get_adapter
+from rpb.adapters import (
+    MoELayer,
+    RouterFacts,
+    UnsupportedModelError,
+    find_moe_layers,
+    get_adapter,
+    router_output,
+    router_spec,
+)
+from rpb.anchors.config import AnchorConfig
 from rpb.anchors.context import TokenContext
-from rpb.anchors.methods import Method, get_method
+from rpb.anchors.methods import Method, RouterState, get_method
 from rpb.anchors.prior_routing import PriorRouting
-from rpb.prior import ROUTER_TRANSFORMS
+from rpb.errors import ArgumentError
+from rpb.retention.metrics import entropy_bits
 from rpb.routing import RouterSpec, combine_weights, route
-
-
-@dataclass
-class AnchorConfig:
-    """``anchor.*`` of a run. ``lambda_`` and ``lbl_coef`` have no defaults: the methods that use them require them."""
-
-    method: str = "rpb"
-    beta: float = 1.0
-    eps: float = 0.05
-    c: float = 5.0
-    lambda_: float | None = None
-    lbl_coef: float | None = None
-    shuffle_seed: int = 0
-    #: kl-to-base's distribution; None: the prior's recorded transform (softmax without a prior)
-    router_transform: str | None = None
-    #: Louvain resolution for the base communities of the within-* controls
-    community_resolution: float = 1.0
-
-    def problems(self) -> list[str]:
-        """Every problem with this configuration (empty when valid)."""
-        out = []
-        try:
-            method = get_method(self.method)
-        except ValueError as e:
-            return [f"anchor.method: {e}"]
-        if method.coefficient == "lambda" and self.lambda_ is None:
-            out.append(f"anchor.lambda: required by method {self.method!r} (no default)")
-        if method.coefficient == "lbl_coef" and self.lbl_coef is None:
-            out.append(f"anchor.lbl_coef: required by method {self.method!r} (no default)")
-        if not 0 < self.eps <= 1:
-            out.append(f"anchor.eps: must be in (0, 1], got {self.eps}")
-        if self.c < 1:
-            out.append(f"anchor.c: must be >= 1, got {self.c}")
-        if self.beta < 0:
-            out.append(f"anchor.beta: must be >= 0, got {self.beta}")
-        if self.router_transform is not None and self.router_transform not in ROUTER_TRANSFORMS:
-            out.append(f"anchor.router_transform: one of {ROUTER_TRANSFORMS}, got {self.router_transform!r}")
-        return out
 
 
 @dataclass
@@ -94,8 +65,7 @@ class LayerStats:
 
     @property
     def utilization_entropy_bits(self) -> float:
-        p = self.load_E / self.load_E.sum().clamp_min(1)
-        return float(-(p * torch.log2(p.clamp_min(1e-30))).sum())
+        return float(entropy_bits(self.load_E))
 
 
 @dataclass
@@ -129,8 +99,7 @@ class AnchorHandle:
         """The anchor's loss term for the last forward (coefficient applied; 0 for none)."""
         if not self._terms:
             return torch.zeros((), device=self._device())
-        coef = self.config.lambda_ if self.method.coefficient == "lambda" else self.config.lbl_coef
-        term = coef * torch.stack([self._terms[i] for i in sorted(self._terms)]).mean()
+        term = self.config.coefficient() * torch.stack([self._terms[i] for i in sorted(self._terms)]).mean()
         trainable = any(layer.moe.router.weight.requires_grad for layer in self.layers)
         if torch.is_grad_enabled() and trainable and not term.requires_grad:
             raise RuntimeError(
@@ -153,7 +122,9 @@ class AnchorHandle:
             ctx = self._context
             if not module.training or ctx is None or (idle and not self.record_stats):
                 return None
-            logits_TE, native_gates_TK, native_ids_TK = output
+            logits_TE, native_gates_TK, native_ids_TK = router_output(layer.moe, output)
+            if native_ids_TK is None:
+                raise UnsupportedModelError(f"router {layer.moe.name} returns no expert selection to anchor")
             if logits_TE.shape[0] != ctx.num_tokens:
                 raise RuntimeError(
                     f"router {layer.moe.name} saw {logits_TE.shape[0]} tokens but the step context holds "
@@ -197,18 +168,16 @@ class AnchorHandle:
         return gates_TK, ids_TK
 
     def _loss_term(self, layer: _Layer, module, hidden, logits_TE, valid_T) -> torch.Tensor:
-        kind, spec = self.method.loss, layer.spec
-        if kind == "lbl":
-            fn = losses.load_balancing_sigmoid if spec.score_function == "sigmoid" else losses.load_balancing_softmax
-            return fn(logits_TE, spec.top_k, valid_T)
-        if kind == "router-l2":
-            return losses.router_l2(module.weight, layer.base_weight_EH)
-        hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()
-        base_logits_TE = nn.functional.linear(hidden_TH, layer.base_weight_EH)
-        if kind == "kl-to-base":
-            transform = self.config.router_transform or "softmax"
-            return losses.kl_to_base(logits_TE, base_logits_TE, valid_T, transform)
-        return losses.logit_l2(logits_TE, base_logits_TE, valid_T)
+        reads = self.method.loss.reads
+        state = RouterState(layer.spec.score_function, layer.spec.top_k, self.config.router_transform or "softmax")
+        if reads & {"logits", "base_logits"}:
+            state.logits_TE, state.valid_T = logits_TE, valid_T
+        if "base_logits" in reads:
+            hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()
+            state.base_logits_TE = nn.functional.linear(hidden_TH, layer.base_weight_EH)
+        if "weights" in reads:
+            state.weights = ((module.weight, layer.base_weight_EH),)
+        return self.method.loss.term(state)
 
     @torch.no_grad()
     def _record(self, pos: int, ids_TK, native_ids_TK, valid_T) -> None:
@@ -250,7 +219,7 @@ def install_anchor(
     """
     problems = config.problems()
     if problems:
-        raise ValueError("invalid anchor configuration:\n  " + "\n  ".join(problems))
+        raise ArgumentError("invalid anchor configuration:\n  " + "\n  ".join(problems))
     method = get_method(config.method)
     facts = get_adapter(adapter or model.config.model_type)
     moe_layers = find_moe_layers(model, facts)
@@ -258,19 +227,19 @@ def install_anchor(
     for m in moe_layers:
         bias = getattr(m.router, facts.expert_bias) if facts.expert_bias else None
         base = m.router.weight.detach().float().clone() if method.needs_base_router else None
-        layers.append(_Layer(m, RouterSpec.from_router(m.router, facts), bias, base))
+        layers.append(_Layer(m, router_spec(m.router, facts), bias, base))
 
     routing = None
     if method.needs_prior:
         if prior is None:
-            raise ValueError(f"method {method.name!r} needs the prior (pi, [samples, 2, MoE layers, experts])")
+            raise ArgumentError(f"method {method.name!r} needs the prior (pi, [samples, 2, MoE layers, experts])")
         if prior.dim() != 4 or prior.shape[2:] != (len(layers), layers[0].spec.num_experts):
-            raise ValueError(
+            raise ArgumentError(
                 f"prior of shape {tuple(prior.shape)} does not fit the model's {len(layers)} MoE layers x "
                 f"{layers[0].spec.num_experts} experts"
             )
         if method.shuffle is not None and sigma_LE is None:
-            raise ValueError(f"method {method.name!r} needs sigma_LE, the per-layer expert permutation")
+            raise ArgumentError(f"method {method.name!r} needs sigma_LE, the per-layer expert permutation")
         routing = PriorRouting(
             prior,
             method.selection,

@@ -1,37 +1,93 @@
-"""The anchoring methods as data: what each one constrains and what it needs.
+"""The anchoring methods as data: one entry per method says what it constrains and what it needs.
 
-| method        | training-time effect                                                    |
-|---------------|-------------------------------------------------------------------------|
-| sft           | plain fine-tuning, native router, no auxiliary loss                     |
-| lbl           | + lbl_coef * re-applied load-balancing loss                             |
-| rpb           | top-k chosen on z + beta * b[x, s, l] (eq. 4); gates from unbiased z    |
-| router-l2     | + lambda * mean_l ||W_l - W_l^base||^2 (eq. 5)                           |
-| kl-to-base    | + lambda * mean KL(p_base || p)                                         |
-| logit-l2      | + lambda * mean ||centred z - centred z_base||^2                        |
-| rpb-hard      | top-k of the prior pi[x, s, l] alone; gates from unbiased z             |
-| within-soft   | rpb on the prior shuffled within base co-activation communities         |
-| within-hard   | rpb-hard on that shuffled prior                                         |
-| global-hard   | rpb-hard on the prior shuffled over all experts                         |
-| router-freeze | router weights frozen (today's strictest practice)                      |
+| `anchor.method` | what it does in training mode | needs |
+|---|---|---|
+| `sft` | plain fine-tuning, native router, no auxiliary loss |  |
+| `lbl` | + `lbl_coef` × re-applied load-balancing loss, per layer, averaged | `lbl_coef` |
+| `rpb` | top-k chosen on `z + beta * b[x, s, l]` (eq. 4); gates from the unbiased `z` | prior |
+| `router-l2` | + `lambda` × mean over layers of ‖W − W_base‖² (eq. 5) | `lambda` |
+| `kl-to-base` | + `lambda` × mean over tokens and layers of KL(p_base ‖ p) | `lambda` |
+| `logit-l2` | + `lambda` × mean ‖(z − mean z) − (z_base − mean z_base)‖² | `lambda` |
+| `rpb-hard` | top-k of the prior alone; gates as for `rpb` | prior |
+| `within-soft` | `rpb` on the prior shuffled within base co-activation communities | prior |
+| `within-hard` | `rpb-hard` on the prior shuffled within base co-activation communities | prior |
+| `global-hard` | `rpb-hard` on the prior shuffled over all experts | prior |
+| `router-freeze` | router weights frozen (today's strictest practice) |  |
+
+(``methods_table()`` renders this table from ``METHODS``; a test keeps it, and the README's, in step.)
+
+Everything else derives from the entries: which methods need a prior, the base router, the
+base communities or a coefficient (``rpb train``'s checks, the Megatron path's refusals),
+which weights the toy-world grids search, and which study tables list a method. Adding a
+loss-based method is one ``Method`` entry here with a ``LossAnchor``, its math (a pure function,
+as in ``rpb.losses``), and its tests; the HF hook and the Megatron router both dispatch to
+``LossAnchor.term`` with a ``RouterState``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from rpb import losses
+from rpb.errors import ArgumentError
+
+#: what a loss term may read of a router in one step (``RouterState``'s fields)
+LossInput = Literal["logits", "base_logits", "weights"]
+
+
+@dataclass
+class RouterState:
+    """One router in one step, as a loss term sees it; the fields the term does not read are None.
+
+    ``logits_TE`` are the router's logits for the step's tokens and ``valid_T`` the tokens that
+    count (not padding); ``base_logits_TE`` the frozen base router's logits on the same router
+    input, float32; ``weights`` pairs each router parameter with its frozen float32 base copy.
+    """
+
+    score_function: str
+    top_k: int
+    #: the distribution KL-type terms compare: the prior's router transform (softmax without a prior)
+    transform: str
+    logits_TE: torch.Tensor | None = None
+    valid_T: torch.Tensor | None = None
+    base_logits_TE: torch.Tensor | None = None
+    weights: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+
+
+@dataclass(frozen=True)
+class LossAnchor:
+    """A loss-based anchor: one router's term for one step, and what the term reads."""
+
+    term: Callable[[RouterState], torch.Tensor]
+    reads: frozenset[LossInput]
+
+    @property
+    def from_forward(self) -> bool:
+        """The term needs the step's forward (its logits), not the router's weights alone."""
+        return bool(self.reads & {"logits", "base_logits"})
 
 
 @dataclass(frozen=True)
 class Method:
     name: str
-    #: "soft" (bias on logits), "hard" (prior forces top-k) or None (native selection)
-    selection: str | None = None
-    #: "within" or "global" shuffle of the prior, or None
-    shuffle: str | None = None
-    #: auxiliary loss: "lbl", "router-l2", "kl-to-base", "logit-l2" or None
-    loss: str | None = None
-    #: the config coefficient the loss needs ("lambda" or "lbl_coef"), required, no default
-    coefficient: str | None = None
+    #: one line for the methods table: what it does in training mode
+    summary: str
+    #: "soft" (bias on logits), "hard" (the prior forces the top-k) or None (native selection)
+    selection: Literal["soft", "hard"] | None = None
+    #: "within" (base communities) or "global" shuffle of the prior, or None
+    shuffle: Literal["within", "global"] | None = None
+    loss: LossAnchor | None = None
+    #: the AnchorConfig field holding the loss's coefficient (required, no default)
+    coefficient: Literal["lambda_", "lbl_coef"] | None = None
     freeze_router: bool = False
+    #: weights the toy-world grids try for ``coefficient``, chosen on the validation split
+    weights: tuple[float, ...] = ()
+    #: study tables that list the method besides the main one ("forms", "controls")
+    tables: tuple[str, ...] = ()
 
     @property
     def needs_prior(self) -> bool:
@@ -39,29 +95,118 @@ class Method:
 
     @property
     def needs_base_router(self) -> bool:
-        return self.loss in ("router-l2", "kl-to-base", "logit-l2")
+        """A frozen copy of the base router (its weights) is kept for the loss term."""
+        return self.loss is not None and bool(self.loss.reads & {"base_logits", "weights"})
+
+    @property
+    def needs_base_logits(self) -> bool:
+        return self.loss is not None and "base_logits" in self.loss.reads
+
+    @property
+    def needs_communities(self) -> bool:
+        """The base model's co-activation communities, built from the training data."""
+        return self.shuffle == "within"
+
+    @property
+    def needs(self) -> list[str]:
+        """What the configuration must supply, as the methods table says it."""
+        out = [f"`{self.coefficient.rstrip('_')}`"] if self.coefficient else []
+        return out + (["prior"] if self.needs_prior else [])
 
 
-METHODS: dict[str, Method] = {
-    m.name: m
-    for m in (
-        Method("sft"),
-        Method("lbl", loss="lbl", coefficient="lbl_coef"),
-        Method("rpb", selection="soft"),
-        Method("router-l2", loss="router-l2", coefficient="lambda"),
-        Method("kl-to-base", loss="kl-to-base", coefficient="lambda"),
-        Method("logit-l2", loss="logit-l2", coefficient="lambda"),
-        Method("rpb-hard", selection="hard"),
-        Method("within-soft", selection="soft", shuffle="within"),
-        Method("within-hard", selection="hard", shuffle="within"),
-        Method("global-hard", selection="hard", shuffle="global"),
-        Method("router-freeze", freeze_router=True),
-    )
-}
+def _lbl(s: RouterState) -> torch.Tensor:
+    form = losses.load_balancing_sigmoid if s.score_function == "sigmoid" else losses.load_balancing_softmax
+    return form(s.logits_TE, s.top_k, s.valid_T)
+
+
+def _router_l2(s: RouterState) -> torch.Tensor:
+    total = None
+    for weight, base in s.weights:
+        term = losses.router_l2(weight, base)
+        total = term if total is None else total + term
+    return total
+
+
+LBL = LossAnchor(_lbl, frozenset({"logits"}))
+ROUTER_L2 = LossAnchor(_router_l2, frozenset({"weights"}))
+KL_TO_BASE = LossAnchor(
+    lambda s: losses.kl_to_base(s.logits_TE, s.base_logits_TE, s.valid_T, s.transform),
+    frozenset({"logits", "base_logits"}),
+)
+LOGIT_L2 = LossAnchor(
+    lambda s: losses.logit_l2(s.logits_TE, s.base_logits_TE, s.valid_T), frozenset({"logits", "base_logits"})
+)
+
+METHODS: dict[str, Method] = {}
+
+
+def register_method(method: Method, *, overwrite: bool = False) -> Method:
+    """Add (or, with overwrite=True, replace) a method of the table."""
+    problems = []
+    if method.name in METHODS and not overwrite:
+        problems.append(f"method {method.name!r} exists; pass overwrite=True to replace it")
+    if (method.loss is None) != (method.coefficient is None):
+        problems.append(f"method {method.name!r}: a loss and its coefficient go together")
+    if method.weights and method.coefficient is None:
+        problems.append(f"method {method.name!r}: weights to search need a coefficient")
+    if method.shuffle is not None and method.selection is None:
+        problems.append(f"method {method.name!r}: a shuffled prior needs a prior-based selection")
+    if problems:
+        raise ArgumentError("; ".join(problems))
+    METHODS[method.name] = method
+    return method
+
+
+_SHUFFLED = "on the prior shuffled"
+for _method in (
+    Method("sft", "plain fine-tuning, native router, no auxiliary loss", tables=("forms",)),
+    Method(
+        "lbl", "+ `lbl_coef` × re-applied load-balancing loss, per layer, averaged", loss=LBL,
+        coefficient="lbl_coef", weights=(0.001, 0.01, 0.1), tables=("forms",),
+    ),
+    Method(
+        "rpb", "top-k chosen on `z + beta * b[x, s, l]` (eq. 4); gates from the unbiased `z`", selection="soft",
+        tables=("forms", "controls"),
+    ),
+    Method(
+        "router-l2", "+ `lambda` × mean over layers of ‖W − W_base‖² (eq. 5)", loss=ROUTER_L2,
+        coefficient="lambda_", weights=(0.01, 0.1, 1.0), tables=("forms",),
+    ),
+    Method(
+        "kl-to-base", "+ `lambda` × mean over tokens and layers of KL(p_base ‖ p)", loss=KL_TO_BASE,
+        coefficient="lambda_", weights=(0.01, 0.1, 1.0), tables=("forms",),
+    ),
+    Method(
+        "logit-l2", "+ `lambda` × mean ‖(z − mean z) − (z_base − mean z_base)‖²", loss=LOGIT_L2,
+        coefficient="lambda_", weights=(0.001, 0.01, 0.1), tables=("forms",),
+    ),
+    Method("rpb-hard", "top-k of the prior alone; gates as for `rpb`", selection="hard"),
+    Method(
+        "within-soft", f"`rpb` {_SHUFFLED} within base co-activation communities", selection="soft",
+        shuffle="within", tables=("controls",),
+    ),
+    Method(
+        "within-hard", f"`rpb-hard` {_SHUFFLED} within base co-activation communities", selection="hard",
+        shuffle="within", tables=("controls",),
+    ),
+    Method(
+        "global-hard", f"`rpb-hard` {_SHUFFLED} over all experts", selection="hard", shuffle="global",
+        tables=("controls",),
+    ),
+    Method("router-freeze", "router weights frozen (today's strictest practice)", freeze_router=True),
+):  # fmt: skip
+    register_method(_method)
 
 
 def get_method(name: str) -> Method:
     try:
         return METHODS[name]
     except KeyError:
-        raise ValueError(f"unknown anchor method {name!r}; choose one of {', '.join(METHODS)}") from None
+        raise ArgumentError(f"unknown anchor method {name!r}; choose one of {', '.join(METHODS)}") from None
+
+
+def methods_table() -> str:
+    """The methods table in Markdown, as this module's docstring and the README show it."""
+    lines = ["| `anchor.method` | what it does in training mode | needs |", "|---|---|---|"]
+    lines += [f"| `{m.name}` | {m.summary} | {', '.join(m.needs)} |" for m in METHODS.values()]
+    return "\n".join(lines)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rpb.anchors.context import TokenContext
-from rpb.communities import shuffle_prior
+from rpb.anchors.controls import shuffle_prior
 from rpb.prior import NUM_SPANS, log_prior_bias
 from rpb.routing import select_from_prior
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rpb.artifact import ROUTED_ALL_POSITIONS
+from rpb.errors import RpbError
 
 
-class PriorMismatchError(ValueError):
+class PriorMismatchError(RpbError):
     def __init__(self, path: str, mismatches: list[tuple[str, object, object]]):
         self.mismatches = mismatches
         lines = [
@@ -38,6 +39,20 @@ class RunFacts:
     routed_positions: str = ROUTED_ALL_POSITIONS
 
 
+def model_mismatches(
+    meta: dict, *, model: str, routers_sha256: str, top_k: int, moe_layers: list, num_experts: int
+) -> list[tuple[str, object, object]]:
+    """The fields where the prior's model is not ``model``: its routers' fingerprint (reported with
+    the model ids), top-k, MoE layers, experts. ``rpb train`` and ``rpb validate`` both judge by it."""
+    out: list[tuple[str, object, object]] = []
+    if meta.get("routers_sha256") != routers_sha256:
+        out += [("model", meta.get("model"), model), ("routers_sha256", meta.get("routers_sha256"), routers_sha256)]
+    for name, found in (("top_k", top_k), ("moe_layers", list(moe_layers)), ("num_experts", num_experts)):
+        if meta.get(name) != found:
+            out.append((name, meta.get(name), found))
+    return out
+
+
 def verify_prior(meta: dict, run: RunFacts, path: str = "prior") -> None:
     """Raise PriorMismatchError naming every field where ``meta`` and ``run`` disagree.
 
@@ -53,18 +68,19 @@ def verify_prior(meta: dict, run: RunFacts, path: str = "prior") -> None:
 
     check("data_sha256", meta.get("data_sha256"), run.data_sha256)
     check("num_rows", meta.get("num_rows"), run.num_rows)
-    if meta.get("routers_sha256") != run.routers_sha256:
-        mismatches.append(("model", meta.get("model"), run.model))
-        check("routers_sha256", meta.get("routers_sha256"), run.routers_sha256)
+    model = model_mismatches(
+        meta, model=run.model, routers_sha256=run.routers_sha256, top_k=run.top_k, moe_layers=run.moe_layers,
+        num_experts=run.num_experts,
+    )  # fmt: skip
+    mismatches += [m for m in model if m[0] in ("model", "routers_sha256")]
     if meta.get("chat_template_sha256") != run.chat_template_sha256:
         mismatches.append(("tokenizer", meta.get("tokenizer"), run.tokenizer))
         check("chat_template_sha256", meta.get("chat_template_sha256"), run.chat_template_sha256)
     if run.router_transform is not None:
         check("router_transform", meta.get("router_transform"), run.router_transform)
-    check("top_k", meta.get("top_k"), run.top_k)
+    mismatches += [m for m in model if m[0] == "top_k"]
     check("max_seq_len", meta.get("max_seq_len"), run.max_seq_len)
     check("routed_positions", meta.get("routed_positions"), run.routed_positions)
-    check("moe_layers", meta.get("moe_layers"), list(run.moe_layers))
-    check("num_experts", meta.get("num_experts"), run.num_experts)
+    mismatches += [m for m in model if m[0] in ("moe_layers", "num_experts")]
     if mismatches:
         raise PriorMismatchError(path, mismatches)

@@ -15,6 +15,7 @@ from rpb.data.errors import DataError, RowError, RowProblem
 from rpb.data.jsonl import file_sha256, read_jsonl
 from rpb.data.template import ChatTemplate
 from rpb.data.tokens import tokenize_labelled
+from rpb.errors import ArgumentError
 from rpb.prior import SPAN_A, SPAN_Q, STRUCTURAL
 
 
@@ -58,7 +59,7 @@ def label_row(template: ChatTemplate, row, max_seq_len: int) -> tuple[list[int],
 def load_labelled(path: str | Path, tokenizer, max_seq_len: int) -> LabelledData:
     """Every row of ``path`` labelled; raises DataError listing all bad rows."""
     if max_seq_len < 2:
-        raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+        raise ArgumentError(f"max_seq_len must be >= 2, got {max_seq_len}")
     path = Path(path)
     template = ChatTemplate(tokenizer)
     rows, errors = read_jsonl(path)

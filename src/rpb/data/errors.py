@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rpb.errors import RpbError
+
 
 @dataclass(frozen=True)
 class RowError:
@@ -33,7 +35,7 @@ class RowProblem(Exception):
         return RowError(line=line, kind=self.kind, message=self.message, field=self.field)
 
 
-class DataError(ValueError):
+class DataError(RpbError):
     """Every bad row of a data file, reported together."""
 
     def __init__(self, path: str, errors: list[RowError]):

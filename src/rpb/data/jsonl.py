@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rpb.data.errors import RowError, RowProblem
+from rpb.errors import ArgumentError
 
 Q_ROLES = ("user",)
 A_ROLES = ("assistant",)
@@ -34,6 +35,14 @@ class MessagesRow:
 
 
 Row = ReferenceRow | MessagesRow
+
+
+def require_file(path: str | Path) -> Path:
+    """``path`` as a Path, or ArgumentError when no file is there."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArgumentError(f"{path}: no such file")
+    return path
 
 
 def file_sha256(path: str | Path) -> str:
@@ -116,7 +125,7 @@ def read_jsonl(path: str | Path) -> tuple[list[Row | None], list[RowError]]:
     """Parse every row. Returns rows (None where bad) and the errors, in file order."""
     rows: list[Row | None] = []
     errors: list[RowError] = []
-    for line_no, raw in enumerate(split_lines(Path(path).read_bytes()), start=1):
+    for line_no, raw in enumerate(split_lines(require_file(path).read_bytes()), start=1):
         try:
             rows.append(parse_row(raw))
         except UnicodeDecodeError as e:

@@ -17,6 +17,7 @@ from functools import cached_property
 
 from rpb.data.errors import RowProblem
 from rpb.data.jsonl import A_ROLES, Q_ROLES, MessagesRow, ReferenceRow, Row
+from rpb.errors import RpbError
 from rpb.prior import SPAN_A, SPAN_Q
 
 CharRange = tuple[int, int, int]
@@ -51,12 +52,16 @@ def _split_on_sentinels(text: str, sentinels: list[str]) -> list[str]:
     return segments
 
 
+class TemplateError(RpbError):
+    """A tokenizer whose chat template cannot locate Q/A content."""
+
+
 class ChatTemplate:
     """The tokenizer's chat template, probed once, used to locate content in rows."""
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
+            raise TemplateError(
                 f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
                 "Q/A spans are derived from it, so one is required"
             )
@@ -101,7 +106,7 @@ class ChatTemplate:
         with_system = _split_on_sentinels(self.apply([system, user], True), [ss, su])
         full = self.apply([user, assistant], False)
         if not full.startswith(prefix):
-            raise ValueError(
+            raise TemplateError(
                 "the chat template's rendering of [user, assistant] does not start with its rendering of "
                 "[user] plus the generation prompt, so reference-form rows cannot be split; use the messages form"
             )

@@ -2,15 +2,16 @@
 
 Shape legend: T = tokens, K = top-k, E = experts, L = MoE layers.
 Divergences compare per-expert *utilization shares* (fraction of top-k selections);
-JSD is in bits. Library implementations are used where they exist (scipy).
+entropy and JSD are in bits. Library implementations are used where they exist (scipy, torch).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from scipy.spatial.distance import jensenshannon
-from scipy.stats import entropy
 
 
 def shares(counts_E: torch.Tensor) -> np.ndarray:
@@ -32,8 +33,11 @@ def jsd_bits(p_E, q_E) -> float:
     return float(jensenshannon(np.asarray(p_E), np.asarray(q_E), base=2) ** 2)
 
 
-def entropy_bits(p_E) -> float:
-    return float(entropy(np.asarray(p_E), base=2))
+def entropy_bits(weights, dim: int = -1) -> torch.Tensor:
+    """Entropy in bits of the distribution(s) along ``dim`` of ``weights`` (counts or probabilities:
+    normalised here), in float64; 0 log 0 = 0. Utilization, prior and training-time load alike."""
+    w = torch.as_tensor(weights, dtype=torch.float64)
+    return torch.special.entr(w / w.sum(dim, keepdim=True)).sum(dim) / math.log(2)
 
 
 def topk_overlap_T(ids_a_TK: torch.Tensor, ids_b_TK: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -9,7 +9,6 @@ describes the base alone.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from pathlib import Path
@@ -18,18 +17,20 @@ import torch
 from tqdm.auto import tqdm
 
 from rpb.adapters import find_moe_layers
-from rpb.collect import load_base_model, load_tokenizer
-from rpb.communities import louvain, nmi
 from rpb.data import collate, load_labelled
+from rpb.errors import ArgumentError, RpbError
+from rpb.fileio import write_json_atomic
+from rpb.models import load_base_model, load_tokenizer, pad_id_of
+from rpb.retention.communities import louvain, nmi
 from rpb.retention.metrics import entropy_bits, jsd_bits, shares, tvd
 from rpb.retention.stats import SUBSETS, ModelRouting, PairedOverlap
-from rpb.trace import RouterTap, route_batch
+from rpb.retention.trace import RouterTap, route_batch
 
 SCHEMA = "rpb_retention"
 
 
-class RoutingMismatchError(ValueError):
-    pass
+class RoutingMismatchError(RpbError):
+    """Two models whose routing cannot be compared (other MoE layers, experts or top-k)."""
 
 
 def _describe(model, facts, layers) -> dict:
@@ -52,7 +53,7 @@ def select_rows(num_rows: int, max_rows: int | None, seed: int) -> list[int]:
     if max_rows is None or max_rows >= num_rows:
         return list(range(num_rows))
     if max_rows < 1:
-        raise ValueError(f"--max-rows must be >= 1, got {max_rows}")
+        raise ArgumentError(f"--max-rows must be >= 1, got {max_rows}")
     return sorted(random.Random(seed).sample(range(num_rows), max_rows))
 
 
@@ -98,7 +99,7 @@ def build_report(info: dict, stats: list[ModelRouting], overlap: PairedOverlap |
         communities["base"].append(lab_b.tolist())
         row = {
             "layer": layer_index,
-            "entropy_base_bits": entropy_bits(p_all),
+            "entropy_base_bits": float(entropy_bits(p_all)),
             "communities_base": int(lab_b.max()) + 1,
             "modularity_base": q_b,
         }
@@ -107,7 +108,7 @@ def build_report(info: dict, stats: list[ModelRouting], overlap: PairedOverlap |
             communities["post"].append(lab_p.tolist())
             q_all = shares(post.load_SLE[0, pos])
             row.update(
-                entropy_post_bits=entropy_bits(q_all), communities_post=int(lab_p.max()) + 1, modularity_post=q_p
+                entropy_post_bits=float(entropy_bits(q_all)), communities_post=int(lab_p.max()) + 1, modularity_post=q_p
             )
             for s, suffix in enumerate(("", "_q", "_a")):
                 if int(base.tokens_S[s]) == 0:
@@ -182,8 +183,7 @@ def run_retention(
         described.append(_describe(model, facts, lay))
     if post:
         check_comparable(described[0], described[1])
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    stats, overlap = collect_routing(models, layers, examples, batch_size, pad_id, progress)
+    stats, overlap = collect_routing(models, layers, examples, batch_size, pad_id_of(tok), progress)
     info = {"base": str(base), "post": str(post) if post else None, "data": str(data_jsonl), "rows": len(rows),
             **described[0]}  # fmt: skip
     report = build_report(info, stats, overlap, seed, resolution)
@@ -206,6 +206,6 @@ def run_retention(
             out / f"coactivation_layer{layer_index}.png",
         )
     images = {k: Path(v).name for k, v in images.items()}
-    (out / "report.json").write_text(json.dumps(_json_safe(report), indent=1))
+    write_json_atomic(out / "report.json", _json_safe(report))
     write_markdown(report, images, out / "report.md")
     return report

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from rpb.communities import CoactivationAccumulator
 from rpb.prior import SPAN_A, SPAN_Q
+from rpb.retention.communities import CoactivationAccumulator
 from rpb.retention.metrics import topk_overlap_T
 
 SUBSETS = ("all", "Q", "A")

@@ -1,7 +1,9 @@
 """The paper's study in a box, small enough for a laptop CPU.
 
-A synthetic world (``tasks``: four pretraining domains and two post-training sets of short,
-exact-match question/answer pairs), a recipe for a tiny character-level MoE base model
-pretrained on that world, and the experiment grid that post-trains it with each anchoring
-method and measures in-domain gains, out-of-domain retention and routing retention.
+``tasks``: a synthetic world of four pretraining domains and two post-training sets of short,
+exact-match question/answer pairs. ``base``: a recipe for a tiny character-level MoE base model
+pretrained on that world (cached). ``world``: one post-training cell (``rpb train`` with one
+method) and its scores. ``experiment``: resumable grids of cells; ``tables``: their tables and
+figures; ``demo``: ``rpb demo``, the README's main command. Only the command line imports this
+package; the library never depends on it.
 """

@@ -21,14 +21,14 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
 from rpb.anchors import AnchorConfig, install_anchor
-from rpb.data import ChatTemplate
+from rpb.data import IGNORE_INDEX, ChatTemplate, Example, labels_for
 from rpb.data.dataset import label_row
 from rpb.data.jsonl import MessagesRow
-from rpb.toy.models import tiny_config
-from rpb.toy.tokenizers import moonlight_tokenizer
-from rpb.toyworld.tasks import DOMAINS, Task, is_correct, question_space, sample, to_messages
+from rpb.prior import STRUCTURAL
+from rpb.testing.models import tiny_config
+from rpb.testing.tokenizers import moonlight_tokenizer
+from rpb.toyworld.tasks import DOMAINS, N_ENTITIES, Task, is_correct, question_space, sample, to_messages
 from rpb.train import deterministic_algorithms
-from rpb.train_data import IGNORE_INDEX, labels_for
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class BaseRecipe:
     seed: int = 0
     #: size of the invented knowledge base the facts domain recalls from; 200 entities (600
     #: facts) reached 7% held-out exact match in 10 minutes, 50 (150 facts) 87%
-    facts_entities: int = 50
+    facts_entities: int = N_ENTITIES
     #: text operations pretrained; "reverse" and "double" stayed near 0% in 10 minutes
     text_ops: tuple[str, ...] = ("upper", "first", "last")
 
@@ -86,8 +86,6 @@ def default_cache_dir() -> Path:
 
 def encode_tasks(tokenizer, tasks: list[Task], loss_on: str = "answer") -> list[tuple[list[int], list[int]]]:
     """(input_ids, labels) per task, through the same labelling as the collector and trainer."""
-    from rpb.data import Example
-
     template = ChatTemplate(tokenizer)
     out = []
     for i, task in enumerate(tasks):
@@ -97,8 +95,8 @@ def encode_tasks(tokenizer, tasks: list[Task], loss_on: str = "answer") -> list[
 
 
 def training_pool(size: int, seed: int, params: dict[str, dict] | None = None) -> list[Task]:
-    """``size`` training tasks, a quarter per domain; small domains (facts: 2,400 training
-    questions with 200 entities) repeat their whole training split to fill their quarter."""
+    """``size`` training tasks, a quarter per domain; small domains (facts: 600 training
+    questions with 50 entities) repeat their whole training split to fill their quarter."""
     per = size // len(DOMAINS)
     pool = []
     for domain in DOMAINS:
@@ -125,21 +123,23 @@ def _batch(encoded, pad_id: int) -> dict[str, torch.Tensor]:
 def exact_match(model, tokenizer, tasks: list[Task], batch_size: int = 64, max_new_tokens: int = 16) -> float:
     """Greedy decoding from the rendered prompt; the fraction answered exactly."""
     template = ChatTemplate(tokenizer)
-    was_training = model.training
-    model.eval()
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"  # prompts end where generation starts
+    was_training, side = model.training, tokenizer.padding_side
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     right = 0
-    for start in range(0, len(tasks), batch_size):
-        chunk = tasks[start : start + batch_size]
-        prompts = [template.render_reference(to_messages(t))[0] for t in chunk]
-        enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                             pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-        for task, row in zip(chunk, out[:, enc["input_ids"].shape[1] :], strict=True):
-            right += is_correct(task, tokenizer.decode(row, skip_special_tokens=True))
-    tokenizer.padding_side = side
-    model.train(was_training)
+    try:
+        model.eval()
+        tokenizer.padding_side = "left"  # prompts end where generation starts
+        for start in range(0, len(tasks), batch_size):
+            chunk = tasks[start : start + batch_size]
+            prompts = [template.render_reference(to_messages(t))[0] for t in chunk]
+            enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            for task, row in zip(chunk, out[:, enc["input_ids"].shape[1] :], strict=True):
+                right += is_correct(task, tokenizer.decode(row, skip_special_tokens=True))
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
     return right / max(len(tasks), 1)
 
 
@@ -165,8 +165,9 @@ def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_
                 group["lr"] = recipe.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * frac))
             rows = [encoded[order[(step * recipe.batch_size + i) % len(order)]] for i in range(recipe.batch_size)]
             batch = _batch(rows, tokenizer.pad_token_id)
+            # lbl reads no prior: every token is structural to it (only the attention mask counts)
             sample_BT = torch.zeros_like(batch["input_ids"])
-            with handle.step(sample_BT, sample_BT, batch["attention_mask"]):
+            with handle.step(sample_BT, torch.full_like(sample_BT, STRUCTURAL), batch["attention_mask"]):
                 loss = model(**batch).loss
                 total = loss + handle.loss()
                 total.backward()
@@ -189,5 +190,5 @@ def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_
     tokenizer.save_pretrained(out_dir)
     record = {"recipe": asdict(recipe), "steps": step, "seconds": time.perf_counter() - started,
               "final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1), "heldout_exact_match": accuracy}  # fmt: skip
-    (out_dir / "recipe.json").write_text(json.dumps(record, indent=1))
+    (out_dir / "recipe.json").write_text(json.dumps(record, indent=1))  # written last: the build is complete
     return record

@@ -17,26 +17,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from rpb.anchors.methods import METHODS, get_method
-from rpb.data.jsonl import file_sha256
+from rpb.anchors import METHODS, get_method
+from rpb.data import file_sha256
+from rpb.errors import RpbError
+from rpb.fileio import write_json_atomic
 from rpb.toyworld.tasks import POST_SETS, sample
 from rpb.toyworld.world import PostRecipe, ensure_base, probe_tasks, score, train_cell, write_rows
 
-#: candidate anchor weights, three decades each, searched on the validation split
-CANDIDATES: dict[str, tuple[float, ...]] = {
-    "lbl": (0.001, 0.01, 0.1),
-    "router-l2": (0.01, 0.1, 1.0),
-    "kl-to-base": (0.01, 0.1, 1.0),
-    "logit-l2": (0.001, 0.01, 0.1),
-}
 #: the demo's fixed weight (no search, to fit its time budget): the pretraining's load-balancing weight
 DEMO_COEFFICIENTS = {"lbl": 0.01}
 BETAS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
@@ -53,6 +48,11 @@ class Arm:
         return self.label.replace(" ", "").replace("=", "")
 
 
+def table_weights() -> dict[str, tuple[float, ...]]:
+    """The weights each weighted method of the methods table asks a grid to try."""
+    return {name: m.weights for name, m in METHODS.items() if m.weights}
+
+
 @dataclass(frozen=True)
 class Grid:
     name: str
@@ -62,7 +62,8 @@ class Grid:
     #: None: choose the weights on the validation split; else fixed weights per method
     coefficients: dict[str, float] | None = None
     tables: tuple[str, ...] = ("main",)
-    candidates: dict[str, tuple[float, ...]] = field(default_factory=lambda: dict(CANDIDATES))
+    #: weights tried per method on the validation split (default: the methods table's ``weights``)
+    candidates: dict[str, tuple[float, ...]] = field(default_factory=table_weights)
 
 
 def _arms(*methods: str) -> tuple[Arm, ...]:
@@ -79,13 +80,8 @@ GRIDS: dict[str, Grid] = {
 }
 
 
-def coefficient_field(method: str) -> str | None:
-    c = get_method(method).coefficient
-    return {"lambda": "lambda_", "lbl_coef": "lbl_coef"}.get(c) if c else None
-
-
-class GridChangedError(ValueError):
-    pass
+class GridChangedError(RpbError):
+    """The output directory holds results of another set-up."""
 
 
 @dataclass
@@ -101,6 +97,15 @@ class Study:
 
     def __post_init__(self):
         self.out = Path(self.out)
+
+    @cached_property
+    def _built_base(self) -> tuple[Path, dict]:
+        return ensure_base(self.post.base, self.cache_dir, self.progress)
+
+    @property
+    def base_record(self) -> dict:
+        """The base model's pretraining record (recipe.json), building the base first if need be."""
+        return self._built_base[1]
 
     # ------------------------------------------------------------------ set-up
 
@@ -124,13 +129,10 @@ class Study:
                     "use a new --out, or delete it to start over"
                 )
             return
-        self.out.mkdir(parents=True, exist_ok=True)
-        _write_json(path, pinned)
+        write_json_atomic(path, pinned)
 
     def base(self) -> Path:
-        if not hasattr(self, "_base"):
-            self._base, self.base_record = ensure_base(self.post.base, self.cache_dir, self.progress)
-        return self._base
+        return self._built_base[0]
 
     def data(self, post_set: str) -> Path:
         path = self.out / "data" / f"{post_set}.train.jsonl"
@@ -168,7 +170,7 @@ class Study:
         """The base model's ID / OOD exact match on the test questions: where post-training starts."""
         path = self.out / "base_scores" / f"{post_set}.json"
         if not path.is_file():
-            _write_json(path, score(self.base(), post_set, self.post, "test"))
+            write_json_atomic(path, score(self.base(), post_set, self.post, "test"))
         return json.loads(path.read_text())
 
     # ------------------------------------------------------------------ cells
@@ -180,7 +182,7 @@ class Study:
             return json.loads(done.read_text())
         shutil.rmtree(where, ignore_errors=True)  # an unfinished cell starts over
         anchor = dict(arm.anchor)
-        if (fld := coefficient_field(arm.method)) is not None:
+        if (fld := get_method(arm.method).coefficient) is not None:
             anchor[fld] = weight
         needs_prior = get_method(arm.method).needs_prior
         ckpt, train_s = train_cell(
@@ -199,12 +201,12 @@ class Study:
         result["seconds"] = {"train": train_s, "evaluate": time.perf_counter() - started}
         if not self.keep_checkpoints:
             shutil.rmtree(ckpt, ignore_errors=True)
-        _write_json(done, result)
+        write_json_atomic(done, result)
         return result
 
     def select_weights(self, bar) -> dict[str, float]:
         """The anchor weight of every weighted method in the grid (fixed, or chosen on validation)."""
-        methods = sorted({a.method for a in self.grid.arms if coefficient_field(a.method)})
+        methods = sorted({a.method for a in self.grid.arms if get_method(a.method).coefficient})
         if self.grid.coefficients is not None:
             missing = [m for m in methods if m not in self.grid.coefficients]
             if missing:
@@ -224,7 +226,7 @@ class Study:
             chosen[method] = max(scores, key=lambda w: (scores[w], -w))  # ties: the weaker anchor
         record = {"set": self.grid.sets[0], "seed": self.grid.seeds[0], "part": "validation",
                   "criterion": "mean of ID and OOD exact match", "chosen": chosen, "trials": trials}  # fmt: skip
-        _write_json(path, record)
+        write_json_atomic(path, record)
         return chosen
 
     def run(self) -> list[dict]:
@@ -235,7 +237,7 @@ class Study:
     def _run(self) -> list[dict]:
         self.pin()
         g = self.grid
-        weighted = {a.method for a in g.arms if coefficient_field(a.method)}
+        weighted = {a.method for a in g.arms if get_method(a.method).coefficient}
         n_select = 0 if g.coefficients is not None else sum(len(g.candidates[m]) for m in weighted)
         cells = [(s, a, seed) for s in g.sets for a in g.arms for seed in g.seeds]
         bar = tqdm(total=n_select + len(cells), unit="run", desc=f"grid {g.name}", disable=not self.progress)
@@ -261,7 +263,7 @@ class Study:
         arms = tuple(a.label for a in g.arms)
         base_scores = {s: self.base_score(s) for s in g.sets}
         tables = "\n".join(table(kind, results, g.sets, arms, base_scores) for kind in g.tables)
-        weights = self.select_weights(_NoBar()) if any(coefficient_field(a.method) for a in g.arms) else {}
+        weights = self.select_weights(_NoBar()) if any(get_method(a.method).coefficient for a in g.arms) else {}
         plot_tradeoff(results, g.sets, arms, self.out / "tradeoff.png")
         plot_retention(results, g.sets, arms, self.out / "retention.png")
         base = {d: round(100 * v, 1) for d, v in self.base_record["heldout_exact_match"].items()}
@@ -284,7 +286,7 @@ class Study:
         ]  # fmt: skip
         text = "\n".join(lines)
         (self.out / "tables.md").write_text(text)
-        _write_json(self.out / "results.json", sorted(results, key=lambda r: (r["set"], r["arm"], r["seed"])))
+        write_json_atomic(self.out / "results.json", sorted(results, key=lambda r: (r["set"], r["arm"], r["seed"])))
         return tables
 
 
@@ -303,10 +305,3 @@ def _quiet_loading():
 class _NoBar:
     def update(self, n: int) -> None:
         pass
-
-
-def _write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)

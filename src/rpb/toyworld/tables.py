@@ -12,15 +12,17 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-#: the table kinds a grid can ask for: rows (arm labels, None = all in grid order) and columns
-FORMS_ROWS = ("rpb", "router-l2", "kl-to-base", "logit-l2", "sft", "lbl")
-CONTROLS_ROWS = ("rpb", "within-soft", "within-hard", "global-hard")
-TABLES: dict[str, tuple[str, tuple[str, ...] | None, tuple[str, ...]]] = {
-    "main": ("Main results", None, ("id", "ood")),
-    "forms": ("Anchoring forms", FORMS_ROWS, ("id", "ood", "tvd", "topk_overlap")),
-    "controls": ("Interventional controls", CONTROLS_ROWS, ("id", "ood", "nmi")),
-    "beta": ("Enforcement strength (beta)", None, ("id", "ood", "tvd", "topk_overlap", "nmi")),
-    "demo": ("Demo", None, ("id", "ood", "tvd", "topk_overlap", "nmi")),
+from rpb.anchors import get_method
+
+#: the table kinds a grid can ask for: title, columns, and whether its rows are every arm of the grid
+#: (in grid order) or only the arms whose method the methods table lists in this kind of table
+#: (``Method.tables``), in grid order too
+TABLES: dict[str, tuple[str, tuple[str, ...], bool]] = {
+    "main": ("Main results", ("id", "ood"), True),
+    "forms": ("Anchoring forms", ("id", "ood", "tvd", "topk_overlap"), False),
+    "controls": ("Interventional controls", ("id", "ood", "nmi"), False),
+    "beta": ("Enforcement strength (beta)", ("id", "ood", "tvd", "topk_overlap", "nmi"), True),
+    "demo": ("Demo", ("id", "ood", "tvd", "topk_overlap", "nmi"), True),
 }
 HEADERS = {"id": "ID %", "ood": "OOD %", "tvd": "TVD", "topk_overlap": "top-k overlap", "nmi": "NMI"}
 
@@ -55,9 +57,10 @@ def table(
     kind: str, results: list[dict], sets: tuple[str, ...], arms: tuple[str, ...], base: dict[str, dict] | None = None
 ) -> str:
     """One markdown table; ``base`` (set -> the base model's ``id`` / ``ood``) adds a reference first row."""
-    title, rows, cols = TABLES[kind]
+    title, cols, every_arm = TABLES[kind]
     agg = aggregate(results)
-    rows = tuple(r for r in (rows or arms) if r in arms)
+    method = {r["arm"]: r["method"] for r in results}
+    rows = tuple(a for a in arms if every_arm or (a in method and kind in get_method(method[a]).tables))
     head = ["method"] + [f"{s} {HEADERS[c]}" if len(sets) > 1 else HEADERS[c] for s in sets for c in cols]
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if base:  # retention of the base against itself is trivial (TVD 0, overlap 1, NMI 1): not shown

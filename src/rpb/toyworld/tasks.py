@@ -12,13 +12,14 @@ math       ``rev 47+85=``                  ``231``         a+b of 2-digit number
 code       ``sort 3 1 2``                  ``1 2 3``       sort / reverse / max / min / len, 3-6 digits
 text       ``double kiw``                  ``kkiiww``      reverse / upper / first / last / double
 facts      ``capital of Sogania?``         ``Detano``      recall from a fixed invented knowledge base
-math_post  ``rev 47+85-36=``               ``69``          three-term chain a+b-c >= 0, digits reversed
+math_post  ``rev 47+85+36=``               ``861``         three-term sums a+b+c, digits reversed
 code_post  ``sort|reverse 3 1 2``          ``3 2 1``       two-step pipelines of the code operations
 =========  ==============================  ==============  ===========================================
 
 ``math_post`` and ``code_post`` play the roles of the paper's math20k and coding20k: same
-domain and answer conventions as pretraining, shifted to harder compositions (a subtraction
-step and a third term; a second operation).
+domain and answer conventions as pretraining, shifted to harder compositions (a third term; a
+second operation). ``math_post`` also has the form ``a+b-c`` (a subtraction step; ``form=``),
+which small models learn far more slowly.
 
 Digit order. Answers to arithmetic are written least-significant digit first by default
 (``reverse=True``; the question says so with its ``rev`` prefix). A left-to-right decoder that
@@ -212,7 +213,9 @@ def _text(rng: random.Random, ops: Sequence[str] = tuple(TEXT_OPS), lengths: tup
 
 #: The knowledge base depends on this seed only, never on the seed of a sample or a split.
 KB_SEED = 20260912
-N_ENTITIES = 200
+#: entities in the knowledge base (3 facts each), the toy world's base recipe's size: 50 entities were
+#: learnt in 10 minutes of pretraining on 2 cores, 200 were not (see ``BaseRecipe.facts_entities``)
+N_ENTITIES = 50
 FACT_ATTRIBUTES = ("capital", "language", "color")
 _COLORS = ("red", "blue", "green", "gold", "black", "white", "purple", "orange")
 FACT_TEMPLATES = (
@@ -323,7 +326,7 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
-def _stable_unit(text: str) -> float:
+def stable_unit(text: str) -> float:
     """A number in [0, 1) from sha256: the same in every process, unlike the salted built-in hash()."""
     return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2**64
 
@@ -345,9 +348,9 @@ def split_of(task: Task) -> str:
     """ "train" or "heldout", a function of the question text only (see the module docstring)."""
     if task.domain == "facts":
         entity, attr, template = _parse_fact(task.question)
-        held = template == int(_stable_unit(f"{entity}/{attr}") * len(FACT_TEMPLATES))
+        held = template == int(stable_unit(f"{entity}/{attr}") * len(FACT_TEMPLATES))
     else:
-        held = _stable_unit(task.question) < HELDOUT_FRACTION
+        held = stable_unit(task.question) < HELDOUT_FRACTION
     return "heldout" if held else "train"
 
 

@@ -17,17 +17,28 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import TrainerCallback
 
+from rpb.anchors import AnchorConfig, get_method
+from rpb.config import DataSection, RunConfig, TrainSection
+from rpb.fileio import atomic_path
+from rpb.models import load_causal_lm, load_tokenizer
 from rpb.toyworld.base import BaseRecipe, default_cache_dir, exact_match, pretrain
-from rpb.toyworld.tasks import DOMAINS, FACT_TEMPLATES, POST_SETS, Task, question_space, sample, to_messages
+from rpb.toyworld.tasks import (
+    DOMAINS,
+    FACT_TEMPLATES,
+    POST_SETS,
+    Task,
+    question_space,
+    sample,
+    stable_unit,
+    to_messages,
+)
 
 PARTS = ("validation", "test")
 
@@ -68,18 +79,16 @@ def base_dir(recipe: BaseRecipe, cache_dir: Path | None = None) -> Path:
 def ensure_base(recipe: BaseRecipe, cache_dir: Path | None = None, progress: bool = True) -> tuple[Path, dict]:
     """The cached base model, pretrained first when absent (about 10 minutes on 2 CPU cores).
 
-    ``recipe.json`` is written last and the directory renamed into place, so an interrupted
-    build is never mistaken for a finished one; it is rebuilt from scratch next time.
+    The build is written to a temporary directory beside the cache entry and renamed into place
+    (``rpb.fileio.atomic_path``), so an interrupted build is never mistaken for a finished one;
+    it is rebuilt from scratch next time.
     """
     out = base_dir(recipe, cache_dir)
     done = out / "recipe.json"
     if done.is_file():
         return out, json.loads(done.read_text())
-    partial = out.with_name(out.name + f".partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    record = pretrain(recipe, partial, progress=progress)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(partial, out)
+    with atomic_path(out, directory=True) as partial:
+        record = pretrain(recipe, partial, progress=progress)
     return out, record
 
 
@@ -88,8 +97,7 @@ def ensure_base(recipe: BaseRecipe, cache_dir: Path | None = None, progress: boo
 
 def part_of(task: Task) -> str:
     """ "validation" or "test" for a held-out question: a hash of its text, half and half."""
-    unit = int.from_bytes(hashlib.sha256(f"part:{task.question}".encode()).digest()[:8], "big") / 2**64
-    return PARTS[unit >= 0.5]
+    return PARTS[stable_unit(f"part:{task.question}") >= 0.5]
 
 
 def eval_tasks(domain: str, part: str, n: int, params: dict | None = None) -> list[Task]:
@@ -105,12 +113,9 @@ def eval_tasks(domain: str, part: str, n: int, params: dict | None = None) -> li
 
 def write_rows(tasks: list[Task], path: Path) -> Path:
     """Tasks as messages-form JSONL rows (written whole, then renamed into place)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for task in tasks:
             f.write(json.dumps({"messages": to_messages(task)}) + "\n")
-    os.replace(tmp, path)
     return path
 
 
@@ -127,11 +132,8 @@ def probe_tasks(post: PostRecipe) -> list[Task]:
 
 def score(model_dir: str | Path, post_set: str, post: PostRecipe, part: str = "test") -> dict:
     """ID / OOD exact match of a checkpoint (greedy), per domain and summarised."""
-
-    from rpb.collect import load_tokenizer
-
     tokenizer = load_tokenizer(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    model = load_causal_lm(str(model_dir))
     params = post.base.domain_params()
     per_domain = {
         d: exact_match(model, tokenizer, eval_tasks(d, part, post.eval_per_domain, params))
@@ -146,15 +148,13 @@ def train_cell(
     anchor: dict | None = None, progress: bool = True, label: str | None = None,
 ) -> tuple[Path, float]:  # fmt: skip
     """``rpb train`` on one cell; returns the checkpoint directory and the training seconds."""
-    from rpb.anchors import AnchorConfig
-    from rpb.config import DataSection, RunConfig, TrainSection
     from rpb.train import run_training
 
     cfg = RunConfig(
         model=str(base),
         data_jsonl=str(data_jsonl),
         output_dir=str(out),
-        prior=str(prior) if prior and _needs_prior(method) else None,
+        prior=str(prior) if prior and get_method(method).needs_prior else None,
         anchor=AnchorConfig(method=method, **(anchor or {})),
         train=TrainSection(
             max_steps=post.max_steps, seed=seed, lr=post.lr, batch_size=post.batch_size,
@@ -186,9 +186,3 @@ class _StepBar(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.bar.close()
-
-
-def _needs_prior(method: str) -> bool:
-    from rpb.anchors.methods import get_method
-
-    return get_method(method).needs_prior

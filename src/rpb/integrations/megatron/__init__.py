@@ -16,23 +16,14 @@ The loss-based anchors (lbl, router-l2, kl-to-base, logit-l2) add ``handle.loss(
 forward step's loss function, after the forward (``bridge.anchored_loss`` does it for Bridge).
 """
 
+from rpb.integrations.megatron.install import find_topk_routers, freeze_router_parameters, install_megatron_anchor
 from rpb.integrations.megatron.layout import ROUTED_ALL_BUT_LAST, ROUTED_ALL_POSITIONS, pack_thd, router_rows
-from rpb.integrations.megatron.router import (
-    SUPPORTED_METHODS,
-    MegatronAnchorError,
-    MegatronAnchorHandle,
-    MegatronRouter,
-    find_topk_routers,
-    freeze_router_parameters,
-    install_megatron_anchor,
-    megatron_select,
-)
+from rpb.integrations.megatron.router import MegatronAnchorError, MegatronAnchorHandle, MegatronRouter, megatron_select
 from rpb.integrations.megatron.verify import megatron_routers_sha256, megatron_run_facts, verify_megatron_prior
 
 __all__ = [
     "ROUTED_ALL_BUT_LAST",
     "ROUTED_ALL_POSITIONS",
-    "SUPPORTED_METHODS",
     "MegatronAnchorError",
     "MegatronAnchorHandle",
     "MegatronRouter",

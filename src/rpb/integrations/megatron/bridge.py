@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rpb.train_data import answer_mask
+from rpb.data.batches import answer_mask
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def build_container(cfg):
     model.moe_router_bias_update_rate = 0.0
     model.moe_router_fusion = m.router_fusion
     if cfg.anchor.method == "router-freeze":
-        from rpb.integrations.megatron.router import freeze_router_parameters
+        from rpb.integrations.megatron.install import freeze_router_parameters
 
         # before DDP and the optimizer take the trainable parameters (install checks it)
         model.register_pre_wrap_hook(freeze_router_parameters)
@@ -260,12 +260,13 @@ class PreparedData:
 
     def install(self, model, first_step: bool):
         from rpb.anchors.methods import get_method
+        from rpb.integrations.megatron.install import find_topk_routers, install_megatron_anchor
         from rpb.integrations.megatron.layout import ROUTED_ALL_POSITIONS
-        from rpb.integrations.megatron.router import find_topk_routers, install_megatron_anchor
         from rpb.integrations.megatron.verify import megatron_run_facts, verify_megatron_prior
 
         cfg, meta = self.cfg, self.artifact.metadata if self.artifact is not None else None
-        if not first_step and get_method(cfg.anchor.method).needs_base_router:
+        method = get_method(cfg.anchor.method)
+        if not first_step and method.needs_base_router:
             # the base copies are taken at install: on a resumed run they would be the trained routers
             raise RuntimeError(
                 f"anchor.method {cfg.anchor.method!r} compares the routers with the base model's, copied when the "
@@ -296,8 +297,8 @@ class PreparedData:
             note = verify_megatron_prior(meta, run, rows, cfg.prior)
             if note:
                 logger.warning("rpb: %s", note)
-            if cfg.anchor.method == "global-hard":
-                from rpb.communities import layer_permutations
+            if method.shuffle == "global":  # the within-* shuffles need base communities (refused by the config)
+                from rpb.anchors.controls import layer_permutations
 
                 E, L = self.artifact.prior_qa.shape[-1], self.artifact.prior_qa.shape[2]
                 sigma_LE = layer_permutations(None, E, cfg.anchor.shuffle_seed, "global", L)
@@ -315,8 +316,8 @@ class PreparedData:
 def prepare_data(cfg) -> PreparedData:
     """Tokenize and label the data file exactly as the collector did (every bad row reported before launch)."""
     from rpb.artifact import load_artifact
-    from rpb.collect import load_tokenizer
     from rpb.data import load_labelled
+    from rpb.models import load_tokenizer
 
     artifact = load_artifact(cfg.prior) if cfg.prior else None
     max_seq_len = artifact.metadata["max_seq_len"] if artifact is not None else cfg.train.seq_length

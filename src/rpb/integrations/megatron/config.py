@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from rpb.anchors.handle import AnchorConfig
-from rpb.anchors.methods import METHODS
-from rpb.config import ConfigError, _build, read_tree
-from rpb.integrations.megatron.router import SUPPORTED_METHODS
-from rpb.train_data import LOSS_ON
+from rpb.anchors.config import AnchorConfig
+from rpb.anchors.methods import LBL, METHODS
+from rpb.config import ConfigError, build_section, read_tree
+from rpb.data.batches import LossOn
 
 
 @dataclass
@@ -52,9 +52,9 @@ class TrainSection:
     output_dir: str = ""
     save_interval: int = 782
     log_interval: int = 1
-    loss_on: str = "answer"
+    loss_on: LossOn = "answer"
     #: Megatron activation recomputation: None, "selective" or "full" (the anchor survives either)
-    recompute_granularity: str | None = "selective"
+    recompute_granularity: Literal["selective", "full"] | None = "selective"
 
 
 @dataclass
@@ -71,7 +71,7 @@ class DataSection:
 
 @dataclass
 class MoESection:
-    score_function: str = "sigmoid"
+    score_function: Literal["sigmoid", "softmax"] = "sigmoid"
     topk: int = 6
     num_experts: int = 64
     #: no capacity factor: every token reaches its experts
@@ -79,7 +79,7 @@ class MoESection:
     aux_loss_coeff: float = 0.0
     mtp_num_layers: int = 0
     #: "frozen": the pretrained expert bias enters selection, its update rate is 0; "none": no expert bias
-    expert_bias: str = "frozen"
+    expert_bias: Literal["frozen", "none"] = "frozen"
     router_fusion: bool = False
 
 
@@ -96,14 +96,14 @@ class OptimizerSection:
 
 @dataclass
 class SchedulerSection:
-    lr_decay_style: str = "cosine"
+    lr_decay_style: Literal["cosine", "linear", "constant", "WSD", "inverse-square-root"] = "cosine"
     lr_warmup_iters: int = 50
     lr_decay_iters: int = 1000
     lr_warmup_init: float = 0.0
     #: Bridge's scheduler overrides the optimizer's weight decay with these (effective value)
     start_weight_decay: float = 0.033
     end_weight_decay: float = 0.033
-    weight_decay_incr_style: str = "constant"
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
 
 
 @dataclass
@@ -160,8 +160,6 @@ PAPER = {
     "data.packed": False,
 }
 PAPER_SEEDS = (42, 43, 44)
-#: the within-* controls shuffle the prior inside the base model's co-activation communities
-NEEDS_COMMUNITIES = ("within-soft", "within-hard")
 
 
 def _get(cfg: MegatronRunConfig, dotted: str):
@@ -178,7 +176,7 @@ def load_megatron_config(
     source = str(path) if path else "command line"
     problems: list[str] = []
     tree = read_tree(path, overrides, problems)
-    cfg = _build(MegatronRunConfig, tree, "", problems)
+    cfg = build_section(MegatronRunConfig, tree, problems)
     problems += validate_megatron_config(cfg)
     if check_files and not problems:
         problems += file_problems(cfg)
@@ -200,24 +198,20 @@ def validate_megatron_config(cfg: MegatronRunConfig) -> list[str]:
             out.append(f"{key}: required")
     out += cfg.anchor.problems()
     method = METHODS.get(cfg.anchor.method)  # None: anchor.problems() names it
-    usable = [m for m in SUPPORTED_METHODS if m not in NEEDS_COMMUNITIES]
-    if cfg.anchor.method in NEEDS_COMMUNITIES:
+    if method is not None and method.needs_communities:
+        usable = [name for name, m in METHODS.items() if not m.needs_communities]
         out.append(
             f"anchor.method: {cfg.anchor.method!r} needs the base co-activation communities, which this "
             f"example does not build; one of {', '.join(usable)}"
         )
-    elif cfg.anchor.method not in SUPPORTED_METHODS:
-        out.append(
-            f"anchor.method: {cfg.anchor.method!r} has no Megatron-Core implementation; one of {', '.join(usable)}"
-        )
-    elif method.needs_prior and not cfg.prior:
+    elif method is not None and method.needs_prior and not cfg.prior:
         out.append(f"prior: required by anchor.method {cfg.anchor.method!r} (collect one with `rpb collect`)")
-    if method is not None and method.loss == "lbl" and cfg.moe.aux_loss_coeff > 0:
+    if method is not None and method.loss is LBL and cfg.moe.aux_loss_coeff > 0:
         out.append(
             f"moe.aux_loss_coeff: {cfg.moe.aux_loss_coeff}; anchor.method 'lbl' adds the load-balancing loss "
             "itself (anchor.lbl_coef), so Megatron's native one must be off (0)"
         )
-    forward_loss = method is not None and method.loss in ("lbl", "kl-to-base", "logit-l2")
+    forward_loss = method is not None and method.loss is not None and method.loss.from_forward
     if forward_loss and cfg.train.recompute_granularity == "full":
         out.append(
             "train.recompute_granularity: full recomputation runs the routers' first forward without grad, "
@@ -262,24 +256,16 @@ def validate_megatron_config(cfg: MegatronRunConfig) -> list[str]:
         out.append(f"train.seq_length: {t.seq_length} must be a multiple of tensor={p.tensor} (sequence parallel)")
     if p.sequence_parallel and cfg.data.pad_to_multiple % p.tensor:
         out.append(f"data.pad_to_multiple: {cfg.data.pad_to_multiple} must be a multiple of tensor={p.tensor}")
-    if t.loss_on not in LOSS_ON:
-        out.append(f"train.loss_on: one of {LOSS_ON}, got {t.loss_on!r}")
-    if t.recompute_granularity not in (None, "selective", "full"):
-        out.append(f"train.recompute_granularity: null, selective or full, got {t.recompute_granularity!r}")
     if cfg.data.packed:
         out.append("data.packed: this example feeds unpacked single-turn rows (as the paper); set false")
     if cfg.data.pad_to_multiple < 1:
         out.append(f"data.pad_to_multiple: must be >= 1, got {cfg.data.pad_to_multiple}")
 
     m = cfg.moe
-    if m.score_function not in ("sigmoid", "softmax"):
-        out.append(f"moe.score_function: sigmoid or softmax, got {m.score_function!r}")
     if m.router_fusion:
         out.append("moe.router_fusion: the fused router kernel bypasses Python routing; the anchor refuses it")
     if m.mtp_num_layers:
         out.append(f"moe.mtp_num_layers: {m.mtp_num_layers}; the prior has no rows for MTP routers, set 0")
-    if m.expert_bias not in ("frozen", "none"):
-        out.append(f"moe.expert_bias: frozen or none, got {m.expert_bias!r}")
     if m.expert_bias == "frozen" and m.score_function != "sigmoid":
         out.append("moe.expert_bias: megatron-core supports an expert bias only with the sigmoid score function")
     if not m.dropless:
@@ -300,16 +286,10 @@ def validate_megatron_config(cfg: MegatronRunConfig) -> list[str]:
     for key in ("adam_eps", "weight_decay", "clip_grad"):
         if getattr(o, key) < 0:
             out.append(f"optimizer.{key}: must be >= 0, got {getattr(o, key)}")
-    if s.lr_decay_style not in ("cosine", "linear", "constant", "WSD", "inverse-square-root"):
-        out.append(
-            f"scheduler.lr_decay_style: cosine, linear, constant, WSD or inverse-square-root, got {s.lr_decay_style!r}"
-        )
     if s.lr_warmup_iters < 0 or s.lr_decay_iters < s.lr_warmup_iters:
         out.append(
             f"scheduler: need 0 <= lr_warmup_iters <= lr_decay_iters, got {s.lr_warmup_iters} and {s.lr_decay_iters}"
         )
-    if s.weight_decay_incr_style not in ("constant", "linear", "cosine"):
-        out.append(f"scheduler.weight_decay_incr_style: constant, linear or cosine, got {s.weight_decay_incr_style!r}")
     return out
 
 

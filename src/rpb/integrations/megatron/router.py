@@ -30,27 +30,27 @@ The context stays set until the next micro-batch or ``clear()``, so activation r
 during backward routes alike. Pipeline parallelism (micro-batches interleave their forward
 and backward passes) and context parallelism are refused; the paper used neither.
 
-The loss-based anchors (``lbl``, ``router-l2``, ``kl-to-base``, ``logit-l2``) and
-``router-freeze`` keep Megatron's own selection and follow the HF path (``rpb.anchors.handle``)
-term for term, with the math of ``rpb.losses``:
+The loss-based anchors and ``router-freeze`` keep Megatron's own selection. A loss anchor's
+term is the methods table's own (``Method.loss.term``, the same function the HF hook calls),
+fed the same ``RouterState``:
 
-* ``router-freeze``: every router parameter (the weight, and the gating bias a router built with
-  ``add_bias_linear`` has) gets ``requires_grad=False`` until ``remove()``. Megatron's DDP and
-  optimizer take the trainable parameters when they wrap the model, so freeze before that
-  (``freeze_router_parameters`` as a Bridge pre-wrap hook); a router parameter that already has
-  Megatron's ``main_grad`` buffer is refused.
-* ``router-l2``: ``lambda * mean over routers of ||W - W_base||^2`` (plus the same term for a
-  gating bias), ``W_base`` a float32 copy taken at install on the router's device. Megatron's
-  router weight is a full ``[E, H]`` parameter on every TP rank (replicated, never sharded), so
-  the copy is the whole matrix. The term is computed from the weights in ``loss()``, so it
-  reaches them under any activation recomputation.
-* ``kl-to-base`` / ``logit-l2``: the base logits of the same tokens, ``linear(x, W_base)`` in
-  float32 on the router input ``x`` that ``gating`` receives (after any input jitter); the
-  router's ``gating`` is wrapped on the instance only to hand that input to ``routing``.
-* ``lbl``: ``rpb.losses.load_balancing_sigmoid`` (sigmoid routers; Megatron's ``aux_loss`` form)
-  or ``load_balancing_softmax`` (transformers' form, ``k`` times Megatron's) on the unbiased
-  logits, exactly the HF path's term, not Megatron's native auxiliary loss (which must be off:
-  ``moe_aux_loss_coeff=0``, else it would count twice).
+* terms that read the step's forward (``lbl``, ``kl-to-base``, ``logit-l2``) are recorded in
+  ``routing``: the router's logits, and for the base-logit terms ``linear(x, W_base)`` in
+  float32 on the router input ``x`` that ``gating`` receives (after any input jitter; ``gating``
+  is wrapped on the instance only to hand that input to ``routing``);
+* terms that read the weights alone (``router-l2``) are computed in ``loss()``, so they reach
+  the weights under any activation recomputation. ``W_base`` is a float32 copy taken at install
+  on the router's device; Megatron's router weight is a full ``[E, H]`` parameter on every TP
+  rank (replicated, never sharded), and a router built with ``add_bias_linear`` has a gating
+  bias, anchored like its weight (HF routers have none);
+* ``router-freeze``: every router parameter gets ``requires_grad=False`` until ``remove()``.
+  Megatron's DDP and optimizer take the trainable parameters when they wrap the model, so
+  freeze before that (``freeze_router_parameters`` as a Bridge pre-wrap hook); a router
+  parameter that already has Megatron's ``main_grad`` buffer is refused.
+
+``lbl`` is the HF path's term (Megatron's ``aux_loss`` form on sigmoid routers, transformers'
+form, ``k`` times Megatron's, on softmax ones), not Megatron's native auxiliary loss, which must
+be off (``moe_aux_loss_coeff=0``, else it would count twice).
 
 Which tokens count: as on the HF path, every token that is not padding (sample -1), structural
 ones included, and also not marked by Megatron's padding mask; each term is a mean over them.
@@ -65,55 +65,31 @@ forward, reduce-scatter backward), computes the whole term and returns ``1 / tp`
 ranks' shares add up to the HF term and their gradients to its gradient (``loss_shares`` says
 how many shares there are, for logging the whole value).
 
-The terms built from the forward (``lbl``, ``kl-to-base``, ``logit-l2``) need the router's
-forward to run with gradients: Megatron's reentrant recomputation of whole layers
-(``recompute_granularity="full"``) or of the MoE layer (``recompute_modules`` with ``"moe"``)
-runs the first forward without them, so those settings are refused for these methods.
+The terms built from the forward need the router's forward to run with gradients: Megatron's
+reentrant recomputation of whole layers (``recompute_granularity="full"``) or of the MoE layer
+(``recompute_modules`` with ``"moe"``) runs the first forward without them, so those settings
+are refused for these methods (``install.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from rpb import losses
+from rpb.anchors.config import AnchorConfig
 from rpb.anchors.context import TokenContext
-from rpb.anchors.handle import AnchorConfig
-from rpb.anchors.methods import Method, get_method
+from rpb.anchors.methods import Method, RouterState
 from rpb.anchors.prior_routing import PriorRouting
+from rpb.errors import RpbError
 from rpb.integrations.megatron.layout import router_rows
 from rpb.prior import STRUCTURAL
 
-logger = logging.getLogger(__name__)
 
-#: every method of the HF path (``rpb.anchors.methods``); a method added there is refused here until implemented
-SUPPORTED_METHODS = (
-    "sft",
-    "lbl",
-    "rpb",
-    "router-l2",
-    "kl-to-base",
-    "logit-l2",
-    "rpb-hard",
-    "within-soft",
-    "within-hard",
-    "global-hard",
-    "router-freeze",
-)
-_TOPK_ROUTING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
-#: loss terms computed from the router's forward (router-l2 is computed from the weights alone)
-_FORWARD_LOSSES = ("lbl", "kl-to-base", "logit-l2")
-#: loss terms that compare with the base router's logits
-_BASE_LOGIT_LOSSES = ("kl-to-base", "logit-l2")
-
-
-class MegatronAnchorError(ValueError):
+class MegatronAnchorError(RpbError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__(
@@ -146,7 +122,7 @@ class _ForcedTopK:
         return scores.gather(1, ids_TK), ids_TK
 
 
-def _topk_function():
+def topk_routing_function():
     """``topk_routing_with_score_function`` as ``router.py`` calls it (looked up by name, at call time)."""
     from megatron.core.transformer.moe import router as router_module
 
@@ -164,7 +140,7 @@ def megatron_select(router: nn.Module, logits_TE: torch.Tensor) -> torch.Tensor:
     """
     c = router.config
     capture = _CaptureTopK()
-    _topk_function()(
+    topk_routing_function()(
         logits_TE.detach(),
         router.topk,
         use_pre_softmax=c.moe_router_pre_softmax,
@@ -278,20 +254,19 @@ class MegatronAnchorHandle:
         Under sequence parallelism it is ``1 / tp`` of the whole term (see the module doc);
         ``loss() * loss_shares`` is the whole value, for logging.
         """
-        ctx, kind = self._context, self.method.loss
-        if kind is None or ctx is None:
+        ctx, anchor = self._context, self.method.loss
+        if anchor is None or ctx is None:
             return torch.zeros((), device=self.routers[0].module.weight.device)
-        # router-l2 from the weights, now: Megatron's reentrant recomputation runs the forward
-        # without grad, so a term built there could not train them
+        # a term of the weights alone is computed now: Megatron's reentrant recomputation runs the
+        # forward without grad, so a term built there could not train them
         terms = [
-            self._router_l2(r) if kind == "router-l2" else ctx.cache[("term", r.pos)]
+            ctx.cache[("term", r.pos)] if anchor.from_forward else self._share(anchor.term(self._state(r)))
             for r in self.routers
             if ("recorded", r.pos) in ctx.cache
         ]
         if not terms:
             return torch.zeros((), device=self.routers[0].module.weight.device)
-        coef = self.config.lambda_ if self.method.coefficient == "lambda" else self.config.lbl_coef
-        term = coef * torch.stack(terms).mean()
+        term = self.config.coefficient() * torch.stack(terms).mean()
         trainable = any(p.requires_grad for r in self.routers for p in r.parameters())
         if torch.is_grad_enabled() and trainable and not term.requires_grad:
             raise RuntimeError(
@@ -301,15 +276,20 @@ class MegatronAnchorHandle:
             )
         return term
 
-    def _router_l2(self, r: MegatronRouter) -> torch.Tensor:
-        w = r.module.weight
-        base_weight_EH, base_bias_E = r.base_on(w.device)
-        term = losses.router_l2(w, base_weight_EH)
-        if base_bias_E is not None:
-            # the gating bias is part of the router, anchored like its weight (HF routers have none)
-            term = term + losses.router_l2(r.module.bias, base_bias_E)
-        # every TP rank holds the whole weight; under sequence parallelism Megatron sums its
-        # gradient over the TP group, so each rank contributes 1 / tp
+    def _state(self, r: MegatronRouter) -> RouterState:
+        """Router ``r`` as a loss term sees it; the weight pairs only where the term reads them."""
+        state = RouterState(r.module.score_function, r.module.topk, self.config.router_transform or "softmax")
+        if "weights" in self.method.loss.reads:
+            w = r.module.weight
+            base_weight_EH, base_bias_E = r.base_on(w.device)
+            state.weights = (
+                ((w, base_weight_EH),) if base_bias_E is None else ((w, base_weight_EH), (r.module.bias, base_bias_E))
+            )
+        return state
+
+    def _share(self, term: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a term every TP rank computes whole: under sequence parallelism
+        Megatron sums the router's gradients over the TP group, so each rank contributes 1 / tp."""
         return term / self.tp_size if self._split else term
 
     @property
@@ -332,22 +312,22 @@ class MegatronAnchorHandle:
 
     def _record_loss(self, r: MegatronRouter, logits, hidden, padding_mask, ctx: TokenContext) -> None:
         """Record router ``r``'s term for this micro-batch (the first call's; a recomputed forward adds nothing)."""
-        kind = self.method.loss
+        anchor = self.method.loss
         logits_TE = logits.reshape(-1, logits.shape[-1])
         self._check_rows(r, logits_TE.shape[0], ctx)
         first_call = ("recorded", r.pos) not in ctx.cache
         ctx.cache[("recorded", r.pos)] = True
-        if kind == "router-l2":
+        if not anchor.from_forward:
             return  # computed from the weights in loss()
         valid_T = ctx.valid_T.to(logits_TE.device)
         if padding_mask is not None:
             valid_T = valid_T & ~padding_mask.reshape(-1).to(valid_T.device).bool()
         parts = [logits_TE.float()]
-        if kind in _BASE_LOGIT_LOSSES:
+        if "base_logits" in anchor.reads:
             if hidden is None:
                 raise RuntimeError(
-                    f"router {r.name}: routing() ran without a gating() call before it, so {kind} has no router "
-                    "input to compute the base logits from; run the router's forward"
+                    f"router {r.name}: routing() ran without a gating() call before it, so {self.method.name} has no "
+                    "router input to compute the base logits from; run the router's forward"
                 )
             base_weight_EH, base_bias_E = r.base_on(logits_TE.device)
             # as the HF path: float32, and the input keeps its graph (the base logits depend on it too)
@@ -359,23 +339,15 @@ class MegatronAnchorHandle:
             E = logits_TE.shape[-1]
             parts = [rows_TC[:, i * E : (i + 1) * E] for i in range(len(parts))]
             valid_T = rows_TC[:, -1] > 0.5
-        term = self._term(r, parts, valid_T)
+        state = self._state(r)
+        state.logits_TE, state.valid_T = parts[0], valid_T
+        state.base_logits_TE = parts[1] if len(parts) > 1 else None
         # every rank computed the whole term; each contributes 1 / tp (module doc)
-        term = term / self.tp_size if self._split else term
+        term = self._share(anchor.term(state))
         # computed on every call, so a recomputed forward saves exactly what the first one did
         # (non-reentrant checkpointing checks that); only the first call's term is kept
         if first_call:
             ctx.cache[("term", r.pos)] = term
-
-    def _term(self, r: MegatronRouter, parts: list[torch.Tensor], valid_T: torch.Tensor) -> torch.Tensor:
-        kind, logits_TE = self.method.loss, parts[0]
-        if kind == "lbl":
-            sigmoid = r.module.score_function == "sigmoid"
-            fn = losses.load_balancing_sigmoid if sigmoid else losses.load_balancing_softmax
-            return fn(logits_TE, r.module.topk, valid_T)
-        if kind == "kl-to-base":
-            return losses.kl_to_base(logits_TE, parts[1], valid_T, self.config.router_transform or "softmax")
-        return losses.logit_l2(logits_TE, parts[1], valid_T)
 
     def _check_rows(self, r: MegatronRouter, num_rows: int, ctx: TokenContext) -> None:
         if num_rows != ctx.num_tokens:
@@ -440,235 +412,3 @@ class MegatronAnchorHandle:
         self._restore = []
         for r in self.routers:
             r.base_weight_EH = r.base_bias_E = None
-
-
-def find_topk_routers(model) -> list[MegatronRouter]:
-    """Every ``TopKRouter`` of ``model`` (a module or a list of model chunks), in layer order."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    found = []
-    for c, chunk in enumerate(chunks):
-        for name, module in chunk.named_modules():
-            if isinstance(module, TopKRouter):
-                prefix = f"chunk{c}." if len(chunks) > 1 else ""
-                found.append((int(module.layer_number or 0), prefix + name, module))
-    found.sort(key=lambda x: x[0])
-    return [MegatronRouter(pos, name, module, number) for pos, (number, name, module) in enumerate(found)]
-
-
-def _install_problems(routers: list[MegatronRouter], method: Method) -> list[str]:
-    out = []
-    if method.name not in SUPPORTED_METHODS:
-        out.append(
-            f"anchor.method {method.name!r} has no Megatron-Core implementation; supported: "
-            f"{', '.join(SUPPORTED_METHODS)}"
-        )
-    if not routers:
-        return [*out, "no megatron.core.transformer.moe.router.TopKRouter in the model"]
-    params = inspect.signature(_topk_function()).parameters
-    if "router_replay" not in params:
-        out.append(
-            "this megatron-core's topk_routing_with_score_function has no router_replay argument; "
-            "megatron-core >= 0.16 is needed"
-        )
-    numbers = [r.layer_number for r in routers]
-    if len(set(numbers)) != len(numbers):
-        out.append(f"routers share layer numbers {numbers}; cannot map them onto the prior's layers")
-    configs = {id(r.module.config): r.module.config for r in routers}.values()
-    for c in configs:
-        if c.moe_router_fusion:
-            out.append(
-                "moe_router_fusion=True: the fused router kernel bypasses Python routing, so no bias "
-                "could reach the selection; set moe_router_fusion=False"
-            )
-        if (c.context_parallel_size or 1) > 1:
-            out.append(
-                f"context_parallel_size={c.context_parallel_size}: each sequence is cut into "
-                "2 * cp chunks, whose per-token layout is not supported; use cp=1 (as the paper)"
-            )
-        if (c.pipeline_model_parallel_size or 1) > 1:
-            out.append(
-                f"pipeline_model_parallel_size={c.pipeline_model_parallel_size}: pipeline schedules "
-                "interleave micro-batches, so one micro-batch context cannot serve activation "
-                "recomputation; use pp=1 (as the paper)"
-            )
-        if getattr(c, "mtp_num_layers", None):
-            out.append(
-                f"mtp_num_layers={c.mtp_num_layers}: the prior has no rows for multi-token-prediction "
-                "routers; disable MTP"
-            )
-        if getattr(c, "moe_router_force_load_balancing", False):
-            out.append("moe_router_force_load_balancing=True replaces the logits with random ones")
-        if getattr(c, "moe_router_force_biased", None) is not None:
-            out.append("moe_router_force_biased adds a random bias to the logits; unset it")
-        if c.moe_router_score_function not in ("softmax", "sigmoid"):
-            out.append(f"moe_router_score_function={c.moe_router_score_function!r}: only softmax and sigmoid")
-        types = c.moe_router_load_balancing_type
-        for t in types if isinstance(types, list) else [types]:
-            if t not in _TOPK_ROUTING_TYPES:
-                out.append(
-                    f"moe_router_load_balancing_type={t!r} does not route through "
-                    "topk_routing_with_score_function; use aux_loss, seq_aux_loss, global_aux_loss or none"
-                )
-        if method.loss in _FORWARD_LOSSES:
-            recompute = getattr(c, "recompute_granularity", None)
-            modules = getattr(c, "recompute_modules", None) or []
-            if recompute == "full" or (recompute == "selective" and "moe" in modules):
-                out.append(
-                    f"recompute_granularity={recompute!r}, recompute_modules={modules}: Megatron's reentrant "
-                    f"recomputation runs the routers' first forward without grad, so {method.name}'s loss term "
-                    "could not train them; use selective recomputation without 'moe'"
-                )
-    if any("routing" in vars(r.module) for r in routers):
-        out.append("an anchor is already installed on these routers; remove() it first")
-    if any(r.module.router_replay is not None for r in routers):
-        out.append("moe_enable_routing_replay=True: a routing replay and the anchor would both force the top-k")
-    if any(getattr(r.module, "is_mtp_layer", False) for r in routers):
-        out.append("the model has multi-token-prediction routers, which the prior does not cover")
-    if method.loss == "lbl":
-        native = [r.name for r in routers if r.module.is_aux_loss_enabled()]
-        if native:
-            out.append(
-                f"lbl computes the HF path's load-balancing loss itself, and {len(native)} router(s) also add "
-                "Megatron's native auxiliary loss; set moe_aux_loss_coeff=0 (or moe_router_load_balancing_type=none)"
-            )
-    if method.freeze_router:
-        # Megatron's DDP gives each trainable parameter a main_grad buffer and the optimizer a
-        # copy: freezing after that leaves the optimizer (its weight decay) moving the router
-        wrapped = [r.name for r in routers if any(p.requires_grad and hasattr(p, "main_grad") for p in r.parameters())]
-        if wrapped:
-            out.append(
-                f"router-freeze: {len(wrapped)} router(s) are already trainable in Megatron's DDP and optimizer; "
-                "freeze them before the model is wrapped (freeze_router_parameters as a pre-wrap hook)"
-            )
-    return out
-
-
-def install_megatron_anchor(
-    model,
-    config: AnchorConfig,
-    prior: torch.Tensor | None = None,
-    sigma_LE: torch.Tensor | None = None,
-    *,
-    tp_rank: int | None = None,
-    tp_size: int | None = None,
-    sequence_parallel: bool | None = None,
-) -> MegatronAnchorHandle:
-    """Install ``config.method`` into every ``TopKRouter`` of a built Megatron-Core model.
-
-    ``prior`` is ``pi [samples, 2, MoE layers, experts]``; its layer axis follows the routers'
-    layer numbers. ``tp_rank`` / ``tp_size`` / ``sequence_parallel`` default to the routers' TP
-    group and config (override them to lay out another rank's rows, as the tests do on one
-    process). Expert biases stay as
-    loaded and are frozen: ``moe_router_bias_update_rate`` is forced to 0 (logged), restored
-    by ``remove()``. The methods that compare with the base router copy every router's weight
-    (and gating bias) here, so install on the loaded base weights, before the first optimizer
-    step. Raises ``MegatronAnchorError`` listing every problem.
-    """
-    problems = config.problems()
-    method = get_method(config.method) if not problems else None
-    if method is None:
-        raise MegatronAnchorError(problems)
-    routers = find_topk_routers(model)
-    problems += _install_problems(routers, method)
-    num_experts = routers[0].module.config.num_moe_experts if routers else 0
-    if method.needs_prior and not problems:
-        if prior is None:
-            problems.append(f"method {method.name!r} needs the prior (pi, [samples, 2, MoE layers, experts])")
-        elif prior.dim() != 4 or tuple(prior.shape[1:]) != (2, len(routers), num_experts):
-            problems.append(
-                f"prior of shape {tuple(prior.shape)} does not fit the model's {len(routers)} "
-                f"routers x {num_experts} experts"
-            )
-        if method.shuffle is not None and sigma_LE is None:
-            problems.append(f"method {method.name!r} needs sigma_LE, the per-layer expert permutation")
-    if problems:
-        raise MegatronAnchorError(problems)
-
-    first = routers[0].module
-    routing = None
-    if method.needs_prior:
-        routing = PriorRouting(
-            prior,
-            method.selection,
-            top_k=first.topk,
-            beta=config.beta,
-            eps=config.eps,
-            clip=config.c,
-            sigma_LE=sigma_LE if method.shuffle else None,
-        )
-    handle = MegatronAnchorHandle(
-        config=config,
-        method=method,
-        routers=routers,
-        prior=routing,
-        tp_rank=first.tp_group.rank() if tp_rank is None else int(tp_rank),
-        tp_size=first.tp_group.size() if tp_size is None else int(tp_size),
-        sequence_parallel=bool(first.config.sequence_parallel if sequence_parallel is None else sequence_parallel),
-    )
-    _freeze_expert_bias(handle)
-    if method.needs_base_router:
-        for r in routers:
-            r.base_weight_EH = r.module.weight.detach().float().clone()
-            if r.module.bias is not None:
-                r.base_bias_E = r.module.bias.detach().float().clone()
-    if method.freeze_router:
-        _freeze_routers(handle)
-    for r in routers:
-        module = r.module
-        module.routing = handle._routing(r, module.routing)
-        # deleting the instance attribute uncovers the class's own routing (and gating) again
-        handle._restore.append(lambda module=module: module.__dict__.pop("routing", None))
-        if method.loss in _BASE_LOGIT_LOSSES:
-            module.gating = handle._gating(r, module.gating)
-            handle._restore.append(lambda module=module: module.__dict__.pop("gating", None))
-    return handle
-
-
-def freeze_router_parameters(model):
-    """``requires_grad=False`` on every ``TopKRouter`` parameter of ``model``; returns ``model``.
-
-    Shaped as a Megatron-Bridge pre-wrap hook (``provider.register_pre_wrap_hook``): run on the
-    model chunks before DDP and the optimizer take the trainable parameters, so the routers
-    get no gradient buffer, no optimizer state and no weight decay.
-    """
-    for r in find_topk_routers(model):
-        for p in r.parameters():
-            p.requires_grad_(False)
-    return model
-
-
-def _freeze_routers(handle: MegatronAnchorHandle) -> None:
-    """router-freeze: no router parameter trains while installed; ``remove()`` restores each flag."""
-    params = [p for r in handle.routers for p in r.parameters()]
-    already = sum(not p.requires_grad for p in params)
-    for p in params:
-        handle._restore.append(lambda p=p, flag=p.requires_grad: p.requires_grad_(flag))
-        p.requires_grad_(False)
-    note = (
-        f"router-freeze: {len(params)} parameter(s) of {len(handle.routers)} router(s) frozen "
-        f"(requires_grad=False; {already} already were)"
-    )
-    handle.notes.append(note)
-    logger.warning("rpb: %s", note)
-
-
-def _freeze_expert_bias(handle: MegatronAnchorHandle) -> None:
-    """Keep every loaded expert bias fixed: it enters selection, but no step may update it."""
-    biased = [r for r in handle.routers if r.module.expert_bias is not None]
-    if not biased:
-        return
-    for c in {id(r.module.config): r.module.config for r in biased}.values():
-        old = c.moe_router_bias_update_rate
-        c.moe_router_bias_update_rate = 0.0
-        handle._restore.append(lambda c=c, old=old: setattr(c, "moe_router_bias_update_rate", old))
-        note = f"expert bias of {len(biased)} router(s) kept frozen: moe_router_bias_update_rate forced from {old} to 0"
-        handle.notes.append(note)
-        logger.warning("rpb: %s", note)
-    for r in biased:
-        # newer megatron-core skips routers flagged frozen_expert_bias in finalize_model_grads
-        if hasattr(r.module, "frozen_expert_bias"):
-            old_flag = r.module.frozen_expert_bias
-            r.module.frozen_expert_bias = True
-            handle._restore.append(lambda m=r.module, f=old_flag: setattr(m, "frozen_expert_bias", f))

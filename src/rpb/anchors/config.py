@@ -1,0 +1,61 @@
+"""``anchor.*``: the anchor of a run, as ``rpb train`` and the Megatron path read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rpb.anchors.methods import get_method
+from rpb.errors import ArgumentError
+from rpb.prior import DEFAULT_CLIP, DEFAULT_EPS, ROUTER_TRANSFORMS, RouterTransform
+
+
+@dataclass
+class AnchorConfig:
+    """The anchoring method and its settings (YAML section ``anchor``).
+
+    ``lambda_`` (YAML ``lambda``) and ``lbl_coef`` have no defaults: the methods that use them
+    require them (the methods table says which).
+    """
+
+    #: a method of ``rpb.anchors.METHODS``
+    method: str = "rpb"
+    #: strength of the prior bias added to the router logits for selection (eq. 4)
+    beta: float = 1.0
+    #: floor of the clipped prior, as a fraction of uniform: q >= eps / E (eq. 3)
+    eps: float = DEFAULT_EPS
+    #: ceiling of the clipped prior, as a multiple of uniform: q <= C / E (eq. 3)
+    c: float = DEFAULT_CLIP
+    #: coefficient of router-l2, kl-to-base and logit-l2
+    lambda_: float | None = None
+    #: coefficient of lbl's re-applied load-balancing loss
+    lbl_coef: float | None = None
+    #: seed of the shuffled controls' permutations (and of their Louvain communities)
+    shuffle_seed: int = 0
+    #: kl-to-base's distribution; None: the prior's recorded transform (softmax without a prior)
+    router_transform: RouterTransform | None = None
+    #: Louvain resolution for the base communities of the within-* controls
+    community_resolution: float = 1.0
+
+    def problems(self) -> list[str]:
+        """Every problem with this configuration (empty when valid)."""
+        try:
+            method = get_method(self.method)
+        except ArgumentError as e:
+            return [f"anchor.method: {e}"]
+        out = []
+        if method.coefficient is not None and getattr(self, method.coefficient) is None:
+            out.append(f"anchor.{method.coefficient.rstrip('_')}: required by method {self.method!r} (no default)")
+        if not 0 < self.eps <= 1:
+            out.append(f"anchor.eps: must be in (0, 1], got {self.eps}")
+        if self.c < 1:
+            out.append(f"anchor.c: must be >= 1, got {self.c}")
+        if self.beta < 0:
+            out.append(f"anchor.beta: must be >= 0, got {self.beta}")
+        if self.router_transform is not None and self.router_transform not in ROUTER_TRANSFORMS:
+            out.append(f"anchor.router_transform: one of {ROUTER_TRANSFORMS}, got {self.router_transform!r}")
+        return out
+
+    def coefficient(self) -> float | None:
+        """The loss coefficient of the configured method (None for methods without a loss)."""
+        field = get_method(self.method).coefficient
+        return None if field is None else getattr(self, field)

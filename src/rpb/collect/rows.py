@@ -1,0 +1,101 @@
+"""The data file for a streamed collection: one checking pass, then rows read back by range.
+
+``load_labelled`` keeps every tokenized row in memory (tens of bytes per token as Python
+lists: 20k rows of 8k tokens are gigabytes per process). The collector instead scans the
+file once, labelling every row so that all bad rows are still reported together before any
+compute, and keeps only each row's byte offset and sha256 (40 bytes a row); a chunk's rows
+are read back and labelled again when the chunk runs. Row semantics are ``read_jsonl``'s and
+``load_labelled``'s: one row per ``\\n``-terminated line, a final newline starts no row,
+nothing is skipped or reordered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from rpb.data import ChatTemplate, DataError, Example
+from rpb.data.dataset import label_row
+from rpb.data.errors import RowError, RowProblem
+from rpb.data.jsonl import parse_row, require_file
+from rpb.errors import ArgumentError
+
+
+@dataclass(frozen=True)
+class RowIndex:
+    """Where each row of a checked data file lies, and its fingerprint."""
+
+    path: Path
+    sha256: str  # of the file's bytes
+    offsets: array  # 'q': byte offset of each row's line
+    digests: bytes  # sha256 of each row's bytes (without its newline), 32 bytes a row
+    num_tokens: int  # after truncation, over all rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.offsets)
+
+    def row_sha256(self, start: int, stop: int) -> torch.Tensor:
+        """``row_sha256`` of rows ``[start, stop)``: uint8 ``[stop - start, 32]``."""
+        return torch.frombuffer(bytearray(self.digests[32 * start : 32 * stop]), dtype=torch.uint8).view(-1, 32)
+
+
+def _lines(f: BinaryIO, file_hash) -> Iterator[tuple[int, bytes]]:
+    """(byte offset, line without its ``\\n``) of every row; feeds every byte to ``file_hash``."""
+    offset = 0
+    for raw in f:  # a binary file iterates on b"\n" only, like split_lines
+        file_hash.update(raw)
+        yield offset, raw[:-1] if raw.endswith(b"\n") else raw
+        offset += len(raw)
+
+
+def _digest(line: bytes) -> bytes:
+    return hashlib.sha256(line.rstrip(b"\r")).digest()  # as row_digests does
+
+
+def scan_rows(path: str | Path, template: ChatTemplate, max_seq_len: int) -> RowIndex:
+    """Check and label every row of ``path``; raise one DataError listing every bad row."""
+    if max_seq_len < 2:
+        raise ArgumentError(f"max_seq_len must be >= 2, got {max_seq_len}")
+    path = require_file(path)
+    file_hash = hashlib.sha256()
+    offsets, digests, errors, tokens = array("q"), bytearray(), [], 0
+    with open(path, "rb") as f:
+        for line_no, (offset, line) in enumerate(_lines(f, file_hash), start=1):
+            offsets.append(offset)
+            digests += _digest(line)
+            try:
+                ids, _ = label_row(template, parse_row(line), max_seq_len)
+                tokens += len(ids)
+            except UnicodeDecodeError as e:
+                errors.append(RowError(line_no, "malformed-json", f"not UTF-8: {e.reason} at byte {e.start}"))
+            except RowProblem as p:
+                errors.append(p.at(line_no))
+    if not offsets:
+        errors.append(RowError(1, "empty-file", "the data file has no rows"))
+    if errors:
+        raise DataError(str(path), errors)
+    return RowIndex(path, file_hash.hexdigest(), offsets, bytes(digests), tokens)
+
+
+def label_range(rows: RowIndex, template: ChatTemplate, max_seq_len: int, start: int, stop: int) -> list[Example]:
+    """Rows ``[start, stop)`` labelled, read back from the file ``rows`` was scanned from."""
+    examples = []
+    with open(rows.path, "rb") as f:
+        f.seek(rows.offsets[start])
+        for index in range(start, stop):
+            raw = f.readline()
+            line = raw[:-1] if raw.endswith(b"\n") else raw
+            # a row that changed since the scan would silently get another row's prior
+            if _digest(line) != rows.digests[32 * index : 32 * index + 32]:
+                problem = "the row changed while the prior was being collected; rerun on a file that stays as it is"
+                raise DataError(str(rows.path), [RowError(index + 1, "changed-during-collection", problem)])
+            ids, spans = label_row(template, parse_row(line), max_seq_len)
+            examples.append(Example(index, ids, spans))
+    return examples

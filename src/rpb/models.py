@@ -1,0 +1,117 @@
+"""Loading a base model and its tokenizer, the dtypes rpb accepts, and where to run.
+
+Shared by every command that touches a model (collect, train, retention, validate, the toy
+world, Megatron's prior checks), so they all load, name and fingerprint models alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from typing import Literal, get_args
+
+import torch
+
+from rpb.adapters import RouterFacts, get_adapter
+from rpb.errors import ArgumentError, RpbError
+
+DtypeName = Literal["float32", "bfloat16", "float16"]
+#: the dtypes a model may be loaded in (router math is float32 whatever the weights' dtype)
+DTYPES: dict[str, torch.dtype] = dict(
+    zip(get_args(DtypeName), (torch.float32, torch.bfloat16, torch.float16), strict=True)
+)
+
+# Config keys that say nothing about the network (paths, versions, runtime switches).
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures", "auto_map"}
+
+
+class ModelLoadError(RpbError):
+    """A model or tokenizer that cannot be loaded from what was named (no such directory or hub id, no
+    config, unreadable files, remote code not allowed); the message is transformers' own."""
+
+
+@contextlib.contextmanager
+def _loading(what: str):
+    """transformers raises OSError for a path or id it cannot load, ValueError for one it will not (remote
+    code without trust_remote_code, an unrecognised config): name it, keep its explanation."""
+    try:
+        yield
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load {what}: {e}") from e
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ArgumentError(f"dtype must be one of {list(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def config_sha256(config) -> str:
+    """A hash of the model's configuration, stable across save/load and runtime settings."""
+    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
+    """The device to run on; "auto" is CUDA when there is one, else the CPU. A CUDA device
+    without an index is the process's own one (``LOCAL_RANK``) when several share a node."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    d = torch.device(device)
+    if d.type != "cuda" or d.index is not None:
+        return d
+    if local_rank >= torch.cuda.device_count():
+        raise ArgumentError(
+            f"process LOCAL_RANK={local_rank} has no CUDA device of its own ({torch.cuda.device_count()} visible); "
+            "launch at most one process per device, or pass --device cpu"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def load_base_model(
+    model_id: str, dtype: str = "float32", adapter: str | None = None, device: str = "auto"
+) -> tuple[torch.nn.Module, RouterFacts]:
+    """The base model (decoder stack, no LM head) through transformers' native class, and its router facts.
+
+    Remote modeling code is never run: ``trust_remote_code`` is False for the model
+    even where the checkpoint ships its own code (Moonlight does); the config's
+    ``model_type`` selects the native implementation. ``adapter`` names the
+    model_type whose router facts to use (default: the model's own).
+    """
+    from transformers import AutoConfig, AutoModel
+    from transformers.utils import logging as hf_logging
+
+    dt = torch_dtype(dtype)
+    with _loading(f"model {model_id!r}"):
+        config = AutoConfig.from_pretrained(model_id, trust_remote_code=False)
+    facts = get_adapter(adapter or config.model_type)  # fail on unsupported families before loading weights
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the LM head is left out on purpose; do not report it
+    try:
+        with _loading(f"model {model_id!r}"):
+            model = AutoModel.from_pretrained(model_id, config=config, dtype=dt, trust_remote_code=False)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model.to(resolve_device(device)).eval(), facts
+
+
+def load_causal_lm(model_id: str, dtype: str = "float32") -> torch.nn.Module:
+    """The whole model with its LM head (for training and generation), native class, no remote code."""
+    from transformers import AutoModelForCausalLM
+
+    with _loading(f"model {model_id!r}"):
+        return AutoModelForCausalLM.from_pretrained(model_id, dtype=torch_dtype(dtype), trust_remote_code=False)
+
+
+def load_tokenizer(tokenizer_id: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    with _loading(f"tokenizer {tokenizer_id!r}"):
+        return AutoTokenizer.from_pretrained(tokenizer_id, trust_remote_code=trust_remote_code)
+
+
+def pad_id_of(tokenizer) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else 0 (padding never counts: its
+    attention mask is 0 and its span is structural, so any id serves)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

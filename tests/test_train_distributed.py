@@ -1,0 +1,76 @@
+"""Distributed training on CPU with gloo: DDP via ``rpb train`` under torchrun, and FSDP2 sharding."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rpb.anchors import AnchorConfig, install_anchor
+from rpb.collect import collect
+from rpb.testing.data import conversations, write_jsonl
+from rpb.testing.models import build_tiny_model
+from tests.fsdp_worker import batch, perturb_routers
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def run(cmd, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, **kw)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+FSDP = ["train.fsdp=full_shard auto_wrap",
+        'train.fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["DeepseekV3DecoderLayer"]}']  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "sharding"), [("rpb", []), ("router-l2", []), ("rpb", FSDP)])
+def test_two_processes_match_one(method, sharding, save_tiny, tmp_path):
+    """DDP (and FSDP2 through the Trainer) with 2 gloo processes == 1 process with the same global batch."""
+    model = save_tiny("moonlight")
+    data = write_jsonl(conversations(16, seed=7), tmp_path / "train.jsonl")
+    prior = tmp_path / "prior.safetensors"
+    collect(str(model), data, prior, top_k=2, max_seq_len=192, progress=False)
+    common = [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"anchor.method={method}", "anchor.lambda=0.1",
+              "train.max_steps=3", "train.lr=1e-3", "--no-progress"]  # fmt: skip
+    run([*TORCHRUN, "-m", "rpb", "train", f"output_dir={tmp_path / 'two'}", "train.batch_size=2", *common, *sharding])
+    run([sys.executable, "-m", "rpb", "train", f"output_dir={tmp_path / 'one'}", "train.batch_size=4", *common])
+    two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    base = load_file(Path(model) / "model.safetensors")
+    assert not all(torch.equal(base[k], one[k]) for k in base)  # it trained
+    assert max(float((two[k] - one[k]).abs().max()) for k in one) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["rpb", "kl-to-base"])
+def test_fsdp2_sharded_install_matches_unsharded(method, tmp_path):
+    out = tmp_path / "fsdp.safetensors"
+    run([*TORCHRUN, str(Path(__file__).with_name("fsdp_worker.py")), method, str(out)])
+    sharded = load_file(out)
+    # the same step without sharding, in this process
+    model = build_tiny_model("moonlight", 107).train()
+    prior = torch.softmax(torch.randn(4, 2, 2, 8, generator=torch.Generator().manual_seed(1)) * 3, -1)
+    handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.5), prior=prior)
+    perturb_routers(model)
+    ids, sample, span = batch()
+    grads, losses = {}, []
+    for rows in (slice(0, 2), slice(2, 4)):  # two half-batches, averaged like DDP/FSDP do
+        model.zero_grad()
+        with handle.step(sample[rows], span[rows], torch.ones_like(ids[rows])):
+            out_ = model(input_ids=ids[rows], labels=ids[rows])
+            term = handle.loss()
+            (out_.loss + term).backward()
+        losses.append(torch.stack([out_.loss.detach(), term.detach()]))
+        for n, p in model.named_parameters():
+            if n.endswith("mlp.gate.weight"):
+                grads[n] = grads.get(n, 0) + p.grad / 2
+    torch.testing.assert_close(sharded["loss"], torch.stack(losses).mean(0), atol=1e-5, rtol=0)
+    assert set(grads) == set(sharded) - {"loss"}
+    for n, g in grads.items():
+        torch.testing.assert_close(sharded[n], g, atol=1e-5, rtol=0)
+    if method == "kl-to-base":
+        assert float(sharded["loss"][1]) > 0  # the base copies were used while the weights were sharded

@@ -1,0 +1,234 @@
+"""Toy-world tasks: determinism, answers recomputed by independent parsers, disjoint splits, bounds."""
+
+import hashlib
+import random
+import re
+import string
+from collections import Counter
+
+import pytest
+
+from rpb.toyworld.tasks import (
+    DOMAINS,
+    FACT_ATTRIBUTES,
+    POST_SETS,
+    Task,
+    generate,
+    is_correct,
+    knowledge_base,
+    mixture,
+    question_space,
+    sample,
+    split_of,
+    to_messages,
+)
+
+ALL = DOMAINS + POST_SETS
+KB = knowledge_base(200)  # the larger world; the default (50 entities) is its prefix
+
+
+# Independent solvers: parse the question text and recompute the answer with plain Python.
+
+
+def _arith(q: str) -> str:
+    m = re.fullmatch(r"(rev )?(\d+(?:[+-]\d+)+)=", q)
+    assert m, q
+    value = sum(int(term) for term in re.findall(r"[+-]?\d+", m[2]))  # "12+34-5" -> 12 + 34 - 5
+    assert value >= 0, q
+    return str(value)[::-1] if m[1] else str(value)
+
+
+def _list_op(op: str, value):
+    return {
+        "sort": lambda xs: sorted(xs),
+        "reverse": lambda xs: list(reversed(xs)),
+        "max": max,
+        "min": min,
+        "len": len,
+    }[op](value)
+
+
+def _code(q: str) -> str:
+    m = re.fullmatch(r"([a-z|]+) (\d(?: \d)*)", q)
+    assert m, q
+    value = [int(d) for d in m[2].split()]
+    for op in m[1].split("|"):
+        value = _list_op(op, value)
+    return " ".join(str(d) for d in value) if isinstance(value, list) else str(value)
+
+
+def _text(q: str) -> str:
+    op, word = q.split(" ")
+    assert re.fullmatch(r"[a-z]+", word), q
+    return {
+        "reverse": word[::-1],
+        "upper": word.upper(),
+        "first": word[:1],
+        "last": word[-1:],
+        "double": re.sub(r"(.)", r"\1\1", word),
+    }[op]
+
+
+def _fact_key(q: str) -> tuple[str, str]:
+    words = re.findall(r"[A-Za-z]+", q)
+    entities = [w for w in words if w in KB]
+    attributes = [w for w in words if w in FACT_ATTRIBUTES]
+    assert len(entities) == 1 and len(attributes) == 1, q
+    return entities[0], attributes[0]
+
+
+def _fact(q: str) -> str:
+    entity, attribute = _fact_key(q)
+    return KB[entity][attribute]
+
+
+SOLVERS = {"math": _arith, "math_post": _arith, "code": _code, "code_post": _code, "text": _text, "facts": _fact}
+
+
+def _questions(tasks):
+    return [t.question for t in tasks]
+
+
+@pytest.mark.parametrize("domain", ALL)
+def test_same_seed_same_list_and_other_seeds_differ(domain):
+    assert sample(domain, 50, seed=3) == sample(domain, 50, seed=3)
+    assert sample(domain, 50, seed=3, split="heldout") == sample(domain, 50, seed=3, split="heldout")
+    assert _questions(sample(domain, 50, seed=3)) != _questions(sample(domain, 50, seed=4))
+    a, b = random.Random(9), random.Random(9)
+    assert [generate(domain, a) for _ in range(20)] == [generate(domain, b) for _ in range(20)]
+
+
+@pytest.mark.parametrize("domain", ALL)
+def test_answers_match_an_independent_evaluation(domain):
+    tasks = sample(domain, 300, seed=0) + sample(domain, 100, seed=0, split="heldout")
+    for task in tasks:
+        assert task.domain == domain
+        assert task.answer == SOLVERS[domain](task.question), task
+
+
+def test_default_arithmetic_is_two_digit_operands_with_reversed_answers():
+    for task in sample("math", 200, seed=1):
+        m = re.fullmatch(r"rev (\d\d)\+(\d\d)=", task.question)
+        assert m and m[1][0] != "0" and m[2][0] != "0", task
+        assert task.answer == str(int(m[1]) + int(m[2]))[::-1]
+    for task in sample("math_post", 200, seed=1):  # three-term sums: the post set's default
+        assert re.fullmatch(r"rev \d\d\+\d\d\+\d\d=", task.question), task
+    for task in sample("math_post", 200, seed=1, form="a+b-c"):
+        assert re.fullmatch(r"rev \d\d\+\d\d-\d\d=", task.question), task
+        assert task.answer == _arith(task.question)  # never negative
+    with pytest.raises(ValueError, match="form"):
+        sample("math_post", 1, seed=1, form="a*b")
+
+
+def test_arithmetic_params():
+    plain = sample("math", 100, seed=2, reverse=False)
+    assert all(not t.question.startswith("rev") and t.answer == _arith(t.question) for t in plain)
+    small = sample("math", 30, seed=2, digits=1)
+    assert all(re.fullmatch(r"rev \d\+\d=", t.question) for t in small)
+    both = sample("math", 300, seed=2, ops=("+", "-"))
+    assert {"+", "-"} <= {ch for t in both for ch in t.question}
+    assert all(t.answer == _arith(t.question) for t in both)  # differences are never negative
+    assert question_space("math", digits=1) == 100
+    assert question_space("math", ops=("+", "-")) == 90 * 90 + 90 * 91 // 2
+    assert question_space("math_post") == 90**3
+    brute = sum(1 for a in range(10) for b in range(10) for c in range(10) if a + b - c >= 0)
+    assert question_space("math_post", digits=1, form="a+b-c") == brute
+    with pytest.raises(ValueError, match="ops"):
+        sample("math", 5, seed=0, ops=("*",))
+
+
+def test_knowledge_base_is_fixed_and_named_uniquely():
+    assert len(KB) == 200
+    assert knowledge_base() == dict(list(KB.items())[:50])  # the default is the base recipe's 50 entities
+    assert knowledge_base(50) == dict(list(KB.items())[:50])  # a smaller world is a prefix of a larger one
+    names = list(KB) + [attrs[a] for attrs in KB.values() for a in ("capital", "language")]
+    assert len(names) == len(set(names))
+    assert all(set(attrs) == set(FACT_ATTRIBUTES) for attrs in KB.values())
+    # Golden values: a changed world would silently invalidate every base model pretrained on the old one.
+    assert next(iter(KB.items())) == ("Sogania", {"capital": "Detano", "language": "Suditese", "color": "red"})
+
+
+def test_every_heldout_fact_phrasing_asks_a_fact_taught_in_train():
+    train = sample("facts", 2400, seed=0, n_entities=200)  # all of it: 200 entities x 3 attributes x 4 phrasings
+    held = sample("facts", 600, seed=0, split="heldout", n_entities=200)
+    train_facts = Counter(_fact_key(t.question) for t in train)
+    held_facts = Counter(_fact_key(t.question) for t in held)
+    assert set(held_facts) == set(train_facts) and len(train_facts) == 600
+    assert set(train_facts.values()) == {4} and set(held_facts.values()) == {1}
+    with pytest.raises(ValueError, match="only 600 distinct heldout"):
+        sample("facts", 601, seed=0, split="heldout", n_entities=200)
+
+
+@pytest.mark.parametrize("domain", ALL)
+def test_train_and_heldout_never_overlap(domain):
+    n_train, n_held = (600, 150) if domain == "facts" else (5000, 800)  # facts: all of the 50 default entities
+    train = sample(domain, n_train, seed=0)
+    held = sample(domain, n_held, seed=1, split="heldout")
+    assert len(set(_questions(train))) == n_train and len(set(_questions(held))) == n_held
+    assert not set(_questions(train)) & set(_questions(held))
+    assert {split_of(t) for t in train} == {"train"} and {split_of(t) for t in held} == {"heldout"}
+
+
+@pytest.mark.parametrize("domain", ["math", "code", "text", "math_post", "code_post"])
+def test_hashed_split_is_the_documented_sha256_rule(domain):
+    def held(q: str) -> bool:
+        return int(hashlib.sha256(q.encode()).hexdigest()[:16], 16) / 2**64 < 0.15
+
+    assert not any(held(t.question) for t in sample(domain, 500, seed=5))
+    assert all(held(t.question) for t in sample(domain, 200, seed=5, split="heldout"))
+    rng = random.Random(0)
+    fraction = sum(held(generate(domain, rng).question) for _ in range(4000)) / 4000
+    assert 0.12 < fraction < 0.18
+
+
+@pytest.mark.parametrize("domain", ALL)
+def test_printable_and_short(domain):
+    for task in sample(domain, 500, seed=7) + sample(domain, 100, seed=7, split="heldout"):
+        assert set(task.question + task.answer) <= set(string.printable)
+        assert 0 < len(task.question) <= 40 and 0 < len(task.answer) <= 12, task
+        assert task.answer == task.answer.strip()
+
+
+def test_is_correct_ignores_surrounding_whitespace_only():
+    task = Task("code", "sort 3 1 2", "1 2 3")
+    assert is_correct(task, "1 2 3") and is_correct(task, "  1 2 3\n")
+    for near in ("1 2 4", "1 2  3", "123", "1 2", "1 2 3 4", "3 2 1", "1 2 3.", ""):
+        assert not is_correct(task, near), near
+    assert not is_correct(Task("math", "rev 47+85=", "231"), "132")
+
+
+def test_to_messages():
+    task = Task("text", "upper abc", "ABC")
+    exchange = [{"role": "user", "content": "upper abc"}, {"role": "assistant", "content": "ABC"}]
+    assert to_messages(task, system=None) == exchange
+    assert to_messages(task) == [{"role": "system", "content": ""}, *exchange]
+
+
+def test_mixture_is_balanced_shuffled_deterministic_and_split_pure():
+    tasks = mixture(402, seed=0)
+    counts = Counter(t.domain for t in tasks)
+    assert counts == {"math": 101, "code": 101, "text": 100, "facts": 100}
+    assert tasks == mixture(402, seed=0) and tasks != mixture(402, seed=1)
+    assert len({t.domain for t in tasks[:20]}) > 1  # not grouped by domain
+    held = mixture(100, seed=0, domains=POST_SETS, split="heldout", params={"math_post": {"reverse": False}})
+    assert {split_of(t) for t in held} == {"heldout"}
+    assert not any(t.question.startswith("rev") for t in held if t.domain == "math_post")
+    with pytest.raises(ValueError, match="not in the mixture"):
+        mixture(10, seed=0, params={"math_post": {}})
+
+
+def test_too_small_question_spaces_raise_clear_errors():
+    assert question_space("facts") == 750  # 50 entities x 3 attributes x 5 phrasings
+    assert question_space("facts", n_entities=200) == 3000
+    with pytest.raises(ValueError, match="only 750 distinct questions"):
+        sample("facts", 751, seed=0)
+    with pytest.raises(ValueError, match=r"only \d+ distinct heldout questions"):
+        sample("math", 2000, seed=0, split="heldout")  # ~15% of 8100
+    tiny = {"ops": ("max",), "lengths": (2, 2)}  # 100 questions, about 85 of them in train
+    assert len(sample("code", 60, seed=0, **tiny)) == 60
+    with pytest.raises(ValueError, match="distinct train questions of code"):
+        sample("code", 99, seed=0, **tiny)
+    with pytest.raises(ValueError, match="unknown domain"):
+        sample("poetry", 1, seed=0)
+    with pytest.raises(ValueError, match="split"):
+        sample("math", 1, seed=0, split="test")
