@@ -24,6 +24,9 @@ demo: venv
 lint: venv
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	@# the same lines twice in src/ (6 or more, comments and docstrings aside): pylint's similarity checker
+	$(BIN)/symilar -d 6 --ignore-comments --ignore-docstrings $$(find src/rpb -name '*.py' | sort) | tee $(VENV)/symilar.txt
+	@grep -q '^TOTAL .* duplicates=0 ' $(VENV)/symilar.txt || { echo "lint: duplicated blocks in src/ (above)"; exit 1; }
 
 test: venv lint
 	$(BIN)/python -m pytest -q

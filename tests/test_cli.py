@@ -201,3 +201,29 @@ def test_routers_fingerprint_tells_checkpoints_apart_and_ignores_load_dtype(save
     assert a.metadata["routers_sha256"] == b.metadata["routers_sha256"]
     assert a.metadata["model_config_sha256"] == c.metadata["model_config_sha256"]
     assert a.metadata["routers_sha256"] != c.metadata["routers_sha256"]
+
+
+def test_named_errors_exit_2_with_their_message_and_bugs_exit_1_with_a_traceback(
+    save_tiny, data, tmp_path, monkeypatch, capsys
+):
+    # a problem with the input: its message alone, exit 2
+    missing = tmp_path / "nowhere.jsonl"
+    assert main(collect_args(save_tiny("moonlight"), missing, tmp_path / "p.safetensors")) == 2
+    err = capsys.readouterr().err
+    assert f"rpb collect: {missing}: no such file" in err and "Traceback" not in err
+    assert main(collect_args(tmp_path / "no-model", data, tmp_path / "p.safetensors")) == 2
+    err = capsys.readouterr().err
+    assert "cannot load tokenizer" in err and "Traceback" not in err
+    # --debug shows where it came from
+    assert main([*collect_args(save_tiny("moonlight"), missing, tmp_path / "p.safetensors"), "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "no such file" in err
+
+    # anything else is a bug: exit 1, with the traceback that says where
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr("rpb.collect.collect", broken)
+    assert main(collect_args(save_tiny("moonlight"), data, tmp_path / "p.safetensors")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'a bug'" in err and "in broken" in err

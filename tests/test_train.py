@@ -1,5 +1,6 @@
 """``rpb train`` end to end on tiny models: every method trains, beta=0 is sft, priors are checked."""
 
+import dataclasses
 import json
 import shutil
 
@@ -181,3 +182,27 @@ def test_deterministic_kernels_repeat_the_toy_world_backward_exactly():
         first, second = grads(), grads()
     assert not torch.are_deterministic_algorithms_enabled()
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_the_callers_config_and_process_group_are_left_as_they_were(setup, tmp_path):
+    """run_training resolves kl-to-base's transform from the prior into a copy (rpb_run.json records it),
+    and a process group the caller made stays up after the run: only one the Trainer starts is ended."""
+    model, data, prior = setup["moonlight"]
+    cfg = load_config(
+        None,
+        [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"output_dir={tmp_path}", "anchor.method=kl-to-base",
+         "anchor.lambda=0.1", "train.max_steps=1", "train.batch_size=4"],
+    )  # fmt: skip
+    before = dataclasses.replace(cfg.anchor)
+    dist = torch.distributed
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        run_training(cfg, progress=False)
+        assert dist.is_initialized(), "the caller's process group was destroyed"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert cfg.anchor == before and cfg.anchor.router_transform is None
+    record = json.loads((tmp_path / "rpb_run.json").read_text())
+    assert record["router_transform"] == "softmax" and record["config"]["anchor"]["router_transform"] is None

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from rpb.cli import main
-from rpb.retention.metrics import jsd_bits, topk_overlap_T, tvd
 from rpb.retention.run import build_report
 from rpb.retention.stats import ModelRouting, PairedOverlap
 from rpb.testing.data import conversations, write_jsonl
@@ -51,18 +50,6 @@ def test_disjoint_selections_overlap_zero_and_hand_divergences():
     assert r["topk_overlap"] == 0
     assert r["tvd"] == pytest.approx(1.0)  # disjoint supports
     assert r["jsd"] == pytest.approx(1.0)  # disjoint supports: 1 bit
-
-
-def test_hand_computed_tvd_jsd_and_overlap():
-    p = [0.5, 0.5, 0.0]
-    q = [0.25, 0.25, 0.5]
-    assert tvd(p, q) == pytest.approx(0.5)
-    m = [0.375, 0.375, 0.25]
-    kl = lambda x, y: sum(a * math.log2(a / b) for a, b in zip(x, y, strict=True) if a > 0)  # noqa: E731
-    assert jsd_bits(p, q) == pytest.approx(0.5 * kl(p, m) + 0.5 * kl(q, m))
-    a = torch.tensor([[0, 1, 2], [3, 4, 5]])
-    b = torch.tensor([[2, 1, 7], [6, 7, 0]])
-    assert topk_overlap_T(a, b, 8).tolist() == [2 / 3, 0.0]
 
 
 def test_q_and_a_subsets_are_counted_separately():

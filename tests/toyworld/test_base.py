@@ -2,9 +2,11 @@
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rpb.testing.models import tiny_config
 from rpb.testing.tokenizers import moonlight_tokenizer
 from rpb.toyworld.base import BaseRecipe, exact_match, pretrain, training_pool
 from rpb.toyworld.tasks import DOMAINS, Task
@@ -52,3 +54,16 @@ def test_exact_match_scores_decoded_answers():
     tasks = [Task("math", "rev 12+34=", "64"), Task("code", "sort 3 1 2", "1 2 3")]
     assert exact_match(Oracle(tok, ["64", "1 2 3"]), tok, tasks) == 1.0
     assert exact_match(Oracle(tok, ["64", "1 2 4"]), tok, tasks) == 0.5
+
+
+def test_exact_match_restores_the_tokenizer_and_train_mode_even_when_generation_fails():
+    tok = moonlight_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_config("moonlight", len(tok))).train()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory, say")
+
+    model.generate = broken
+    with pytest.raises(RuntimeError, match="out of memory"):
+        exact_match(model, tok, [Task("math", "rev 1+2=", "3")])
+    assert tok.padding_side == "right" and model.training

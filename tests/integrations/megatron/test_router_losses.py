@@ -325,3 +325,23 @@ def test_loss_anchors_refuse_native_aux_loss_and_reentrant_recomputation():
         with pytest.raises(MegatronAnchorError, match="reentrant"):
             install_megatron_anchor(routers, LOSS_CONFIGS[method])
     install_megatron_anchor(routers, LOSS_CONFIGS["router-l2"]).remove()  # computed from the weights
+
+
+def test_a_method_registered_in_the_table_runs_on_megatron_routers():
+    """A loss anchor that exists only in a test fixture (its entry and its math) reaches Megatron's
+    routers through the methods table alone: coef x mean over routers of its term, each by hand on
+    the logits ``x W^T + b`` of the valid rows."""
+    from tests.anchors import dummy_method
+
+    routers, hidden = build_routers(CASES["softmax"]), make_hidden()
+    with dummy_method.registered():
+        handle = install_megatron_anchor(routers, AnchorConfig(method=dummy_method.NAME, lambda_=0.3))
+        with drifted(routers), handle.step(SAMPLE_BS, SPAN_BS):
+            forward(routers, hidden)
+            term = handle.loss()
+            x_TH, valid_T = hidden.reshape(-1, H), valid_rows(SAMPLE_BS)
+            logits = [(x_TH @ r.weight.T + r.bias).detach() for r in routers]
+            expected = 0.3 * sum(dummy_method.by_hand(z, valid_T) for z in logits) / len(routers)
+        handle.remove()
+    assert float(term) == pytest.approx(expected, rel=1e-5)
+    assert term.requires_grad

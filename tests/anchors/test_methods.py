@@ -1,0 +1,92 @@
+"""The methods table is the one place a method lives: what each entry derives, and a method that
+exists only in a test fixture running through the HF hook, the grids' weight search and the tables
+(and, in ``tests/integrations/megatron``, the Megatron router)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rpb.anchors.methods as methods_module
+from rpb.anchors import METHODS, AnchorConfig, get_method, install_anchor, methods_table
+from rpb.config import ConfigError, load_config
+from rpb.errors import ArgumentError
+from rpb.testing.models import build_tiny_model
+from rpb.toyworld.experiment import Arm, Grid, table_weights
+from rpb.toyworld.tables import table
+from tests.anchors import dummy_method
+
+
+@pytest.fixture
+def dummy():
+    with dummy_method.registered() as method:
+        yield method
+
+
+def test_needs_are_derived_from_each_entry():
+    needs_prior = {m for m, e in METHODS.items() if e.needs_prior}
+    assert needs_prior == {"rpb", "rpb-hard", "within-soft", "within-hard", "global-hard"}
+    assert {m for m, e in METHODS.items() if e.needs_base_router} == {"router-l2", "kl-to-base", "logit-l2"}
+    assert {m for m, e in METHODS.items() if e.needs_base_logits} == {"kl-to-base", "logit-l2"}
+    assert {m for m, e in METHODS.items() if e.needs_communities} == {"within-soft", "within-hard"}
+    assert {m: e.coefficient for m, e in METHODS.items() if e.coefficient} == {
+        "lbl": "lbl_coef", "router-l2": "lambda_", "kl-to-base": "lambda_", "logit-l2": "lambda_",
+    }  # fmt: skip
+    assert not get_method("router-l2").loss.from_forward and get_method("lbl").loss.from_forward
+
+
+def test_the_docstring_shows_the_table_the_code_renders():
+    assert methods_table() in methods_module.__doc__
+
+
+def test_inconsistent_entries_are_refused(dummy):
+    with pytest.raises(ArgumentError, match="exists"):
+        methods_module.register_method(dummy)
+    bad = methods_module.Method("odd", "x", loss=dummy.loss)
+    with pytest.raises(ArgumentError, match="a loss and its coefficient go together"):
+        methods_module.register_method(bad)
+
+
+def test_a_registered_method_trains_through_the_hf_hook(dummy):
+    """The hook dispatches to the entry's term: coefficient x mean over MoE layers of the term, each
+    computed by hand on the logits the routers returned (captured by hooks of our own)."""
+    model = build_tiny_model("qwen3_moe", vocab_size=32, seed=0).train()
+    handle = install_anchor(model, AnchorConfig(method=dummy_method.NAME, lambda_=0.3))
+    captured = []
+    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    hooks = [r.register_forward_hook(lambda m, a, out: captured.append(out[0].detach())) for r in routers]
+    ids = torch.randint(1, 32, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    sample, span = torch.zeros_like(ids), torch.zeros_like(ids)
+    with handle.step(sample, span, mask):
+        model(input_ids=ids, attention_mask=mask)
+        term = handle.loss()
+        term.backward()
+    for h in hooks:
+        h.remove()
+    valid = mask.reshape(-1).bool()
+    expected = 0.3 * sum(dummy_method.by_hand(z, valid) for z in captured) / len(captured)
+    assert len(captured) == len(routers) == 2
+    assert float(term) == pytest.approx(expected, rel=1e-5)
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers)
+    handle.remove()
+
+
+def test_a_registered_method_is_configurable_searched_and_tabled(dummy, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: m\ndata_jsonl: {path}\noutput_dir: o\ntrain: {{max_seq_len: 8}}\n")
+    path.write_text(path.read_text() + f"anchor: {{method: {dummy_method.NAME}}}\n")
+    with pytest.raises(ConfigError, match=r"anchor.lambda: required by method 'logit-norm'"):
+        load_config(path)
+    assert load_config(path, ["anchor.lambda=0.1"]).anchor.coefficient() == 0.1
+    # the grids try the entry's weights on the validation split
+    grid = Grid("g", ("math_post",), (Arm("sft", "sft"), Arm(dummy_method.NAME, dummy_method.NAME)), (42,))
+    assert grid.candidates[dummy_method.NAME] == dummy_method.WEIGHTS == table_weights()[dummy_method.NAME]
+    # and the forms table lists it, because its entry says so
+    retention = {"tvd": 0.1, "topk_overlap": 0.9, "nmi": 0.5}
+    results = [{"set": "math_post", "arm": a, "method": a, "seed": 42, "id": 0.5, "ood": 0.25, "retention": retention}
+               for a in ("sft", dummy_method.NAME)]  # fmt: skip
+    forms = table("forms", results, ("math_post",), ("sft", dummy_method.NAME))
+    assert f"| {dummy_method.NAME} | 50.0 | 25.0 | 0.100 | 0.900 |" in forms
+    assert dummy_method.NAME not in table("controls", results, ("math_post",), ("sft", dummy_method.NAME))
+    assert f"`{dummy_method.NAME}`" in methods_table()
