@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# nothing is downloaded at run time: a hub id the tests name (as the README does) must fail at once,
+# not after the hub client's network retries (read when huggingface_hub is first imported, so first)
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 import json
 from pathlib import Path
 

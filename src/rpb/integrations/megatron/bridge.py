@@ -218,7 +218,7 @@ def dataset_provider(cfg, examples: list, pad_id: int):
             if len(train.indexed_dataset) != len(examples):
                 raise ValueError(
                     f"{cfg.data_file}: Bridge's index has {len(train.indexed_dataset)} rows, rpb read "
-                    f"{len(examples)}; rebuild the index files (README)"
+                    f"{len(examples)}; rebuild the index files (docs/megatron.md)"
                 )
             return train, None, None
 

@@ -329,5 +329,5 @@ def paper_departures(cfg: MegatronRunConfig) -> list[str]:
         for suffix in (".idx.npy", ".idx.info"):
             index = cfg.data_file.with_name(cfg.data_file.name + suffix)
             if not index.is_file():
-                notes.append(f"data: {index} is missing; build the index files before launch (README)")
+                notes.append(f"data: {index} is missing; build the index files before launch (docs/megatron.md)")
     return notes

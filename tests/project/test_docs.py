@@ -1,0 +1,130 @@
+"""The README and docs/ as a reader meets them: every link resolves, every ``rpb`` command and option
+they name exists, the methods table is the code's, and every public name of docs/api.md imports."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from rpb.anchors import methods_table
+from rpb.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_LINES = 220
+SUBCOMMANDS = build_parser()._subparsers._group_actions[0].choices
+
+
+def page_id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def shell_blocks(text: str) -> list[str]:
+    """The shell code blocks (```bash, ```sh or unlabelled); ```text blocks show output, not commands."""
+    return [
+        body
+        for lang, body in re.findall(r"^```([a-z]*)\n(.*?)^```", text, flags=re.S | re.M)
+        if lang in ("", "bash", "sh")
+    ]
+
+
+def commands(text: str) -> list[str]:
+    """Every ``rpb ...`` command line of the shell blocks (continuations joined, comments dropped), and
+    every inline code span that names a subcommand or passes an option (``rpb anchor loss``, a log
+    key, and ``rpb hard``, a grid arm, are not commands)."""
+    out = []
+    for block in shell_blocks(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = " ".join(line.split(" #")[0].split())
+            m = re.search(r"(?:^|-m )(rpb [a-z].*)$", line)
+            if m and not line.startswith("#"):
+                out.append(m.group(1))
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    for span in re.findall(r"`(rpb [a-z][^`]*)`", prose):
+        words = span.split()
+        if words[1] in SUBCOMMANDS or (len(words) > 2 and words[2].startswith("--")):
+            out.append(span)
+    return out
+
+
+SUBCOMMANDS = build_parser()._subparsers._group_actions[0].choices
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_relative_links_resolve(page):
+    text = page.read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target) or target.startswith("mailto:"):
+            continue
+        path, _, fragment = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(target)
+        elif fragment and dest.suffix == ".md":
+            headings = re.findall(r"^#+ (.*)$", dest.read_text(), flags=re.M)
+            if fragment not in {slug(h) for h in headings}:
+                broken.append(target)
+    assert broken == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_rpb_command_and_option_named_exists(page):
+    unknown = []
+    for command in commands(page.read_text()):
+        words = shlex.split(command.replace("<(", "(").replace("...", ""), comments=False)
+        sub = words[1]
+        if sub not in SUBCOMMANDS:
+            unknown.append(command)
+            continue
+        options = SUBCOMMANDS[sub]._option_string_actions
+        unknown += [f"{sub} {w}" for w in words[2:] if w.startswith("--") and w.split("=")[0] not in options]
+    assert unknown == []
+
+
+def test_the_readers_find_the_commands():
+    """The command scan sees code blocks, continuations and inline spans (else the test above is empty)."""
+    text = "x `rpb train --dry-run` `rpb trian --x` `rpb anchor loss` y\n```bash\nrpb collect --model m \\\n"
+    text += "  --top-k 6  # note\ntorchrun -m rpb validate a\n```\n```text\nrpb collect: an error\n```\n"
+    assert commands(text) == [
+        "rpb collect --model m --top-k 6",
+        "rpb validate a",
+        "rpb train --dry-run",
+        "rpb trian --x",
+    ]
+    assert len(commands((ROOT / "README.md").read_text())) >= 5
+
+
+def test_the_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES
+    assert lines[2:6] == ["```bash", lines[3], lines[4], "```"] and lines[3].startswith("make demo")
+    assert lines[4].startswith("make test")
+
+
+def test_the_methods_table_is_the_codes():
+    assert methods_table() in (ROOT / "README.md").read_text()
+    assert methods_table() in (ROOT / "docs" / "methods.md").read_text()
+
+
+def test_every_public_name_in_the_api_page_imports():
+    names = re.findall(r"^\| `(rpb(?:\.\w+)+)` \|", (ROOT / "docs" / "api.md").read_text(), flags=re.M)
+    assert len(names) > 80
+    missing = []
+    for dotted in names:
+        module, _, name = dotted.rpartition(".")
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            missing.append(dotted)
+    assert missing == []
