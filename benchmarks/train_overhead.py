@@ -31,7 +31,7 @@ the experts take three quarters of the forward's matmul multiply-adds (routed 56
 
 The prior ``pi`` [N, 2, L, E] is a softmax of random logits; within-* use a seeded
 permutation inside 8 fixed communities of 8 experts per layer, global-hard one over all
-experts (``rpb.communities.layer_permutations``). Batches: each row is one sample (its row
+experts (``rpb.anchors.controls.layer_permutations``). Batches: each row is one sample (its row
 of the prior) laid out as chat turns -- structural header tokens, question content, header,
 answer content, end token -- right-padded to a random length; labels are the answer tokens.
 
@@ -63,8 +63,8 @@ import time
 import torch
 
 from rpb.anchors import METHODS, AnchorConfig, install_anchor
+from rpb.anchors.controls import layer_permutations
 from rpb.prior import NUM_SPANS, STRUCTURAL
-from rpb.retention.communities import layer_permutations
 from rpb.testing.models import build_tiny_model
 
 #: Moonlight's attention layout at a small width (as in collect_throughput.py).

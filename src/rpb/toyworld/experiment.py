@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from rpb.anchors import METHODS, get_method
 from rpb.data import file_sha256
 from rpb.errors import RpbError
-from rpb.fileio import write_json_atomic
+from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.tasks import POST_SETS, sample
 from rpb.toyworld.world import PostRecipe, ensure_base, probe_tasks, score, train_cell, write_rows
 
@@ -285,7 +285,7 @@ class Study:
             "![ID vs OOD](tradeoff.png)", "", "![retention](retention.png)", "",
         ]  # fmt: skip
         text = "\n".join(lines)
-        (self.out / "tables.md").write_text(text)
+        write_text_atomic(self.out / "tables.md", text)
         write_json_atomic(self.out / "results.json", sorted(results, key=lambda r: (r["set"], r["arm"], r["seed"])))
         return tables
 
