@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import string
 
-from transformers import PreTrainedTokenizerFast
-
 from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
 
 MOONLIGHT_SPECIALS = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]
 MOONLIGHT_TEMPLATE = (
