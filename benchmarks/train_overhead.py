@@ -229,7 +229,7 @@ class Runner:
                 self.model(**batch)
                 aux = handle.loss()
             stats = handle.reset_stats()
-            changed = sum(s.changed for s in stats.values()) / max(sum(s.tokens for s in stats.values()), 1)
+            changed = sum(s.changed for s in stats.values()) / max(sum(s.content for s in stats.values()), 1)
             frozen = all(not lay.moe.router.weight.requires_grad for lay in handle.layers)
         finally:
             handle.remove()

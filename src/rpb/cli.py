@@ -1,4 +1,4 @@
-"""``rpb``: collect | validate | render | train | retention | demo | experiment | megatron-check.
+"""``rpb``: collect | validate | calibrate | render | train | retention | demo | experiment | megatron-check.
 
 Thin: parses arguments, calls the library. A problem with the input (any ``rpb.errors.RpbError``:
 bad rows, a bad configuration, a prior of another run, an unsupported model, a bad argument)
@@ -56,6 +56,31 @@ def _validate(args) -> int:
     )
     print(report.format(), file=sys.stdout if report.ok else sys.stderr)
     return 0 if report.ok else 1
+
+
+def _calibrate(args) -> int:
+    from rpb.calibrate import calibrate
+
+    report = calibrate(
+        args.model, args.prior, args.data_jsonl, out=args.out, betas=args.betas, rows=args.rows, seed=args.seed,
+        batch_size=args.batch_size, eps=args.eps, c=args.c, tokenizer=args.tokenizer,
+        trust_remote_code=args.trust_remote_code, adapter=args.adapter, dtype=args.dtype, device=args.device,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    for beta in report["betas"]:
+        m = report["displacement"]["mean"][f"{beta:g}"]["both"]
+        cf = report["displacement_counterfactual"]["mean"][f"{beta:g}"]["both"]
+        print(f"beta {beta:g}: displaced content tokens {m:.3f} (counterfactual {cf:.3f}), mean over MoE layers")
+    print(f"recommended beta: {report['recommended_beta']:g}")
+    print(f"wrote {args.out}/calibrate.json, calibrate.md and calibrate.png")
+    return 0
+
+
+def _betas(text: str) -> list[float]:
+    try:
+        return [float(b) for b in text.split(",") if b.strip()] if text.strip() else []
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of numbers, got {text!r}") from None
 
 
 def _render(args) -> int:
@@ -169,6 +194,27 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--expected-layers", type=int)
     v.add_argument("--expected-experts", type=int)
     v.set_defaults(func=_validate)
+
+    k = add("calibrate", help="before training: how far the prior bias moves the frozen base's own expert choice")
+    k.add_argument("--model", required=True, help="the base the prior was collected on")
+    k.add_argument("--prior", required=True, help="the prior (rpb collect)")
+    k.add_argument("--data-jsonl", required=True, help="the file the prior was collected on")
+    k.add_argument("--out", required=True, help="directory for calibrate.json, calibrate.md and calibrate.png")
+    k.add_argument("--betas", type=_betas, default=[0.1, 0.25, 0.5, 1.0, 2.0], help="comma-separated, e.g. 0.25,0.5,1")
+    k.add_argument("--rows", type=int, default=256, help="a seeded sample of this many rows")
+    k.add_argument("--seed", type=int, default=0, help="row sample and bootstrap seed")
+    k.add_argument("--eps", type=float, default=0.05)
+    k.add_argument("--c", type=float, default=5.0)
+    k.add_argument("--batch-size", type=int, default=8)
+    k.add_argument("--tokenizer", help="default: --model")
+    k.add_argument(
+        "--trust-remote-code", action="store_true", help="allow the tokenizer's own code (never the model's)"
+    )
+    k.add_argument("--adapter")
+    k.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    k.add_argument("--device", default="auto")
+    k.add_argument("--no-progress", action="store_true")
+    k.set_defaults(func=_calibrate)
 
     r = add("render", help="turn question/answer rows into reference-form input/output rows")
     r.add_argument("--tokenizer", required=True)

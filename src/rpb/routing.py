@@ -45,8 +45,8 @@ def scores(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
     return torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
 
 
-def _group_mask_TE(choice_TE: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
-    """True for experts in the groups kept by group-limited routing."""
+def kept_groups(choice_TE: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """``kept_TG``: True for the groups group-limited routing keeps, from the selection scores."""
     per_group = spec.num_experts // spec.num_groups
     grouped_TGe = choice_TE.view(-1, spec.num_groups, per_group)
     if spec.group_scoring == "top2-sum":
@@ -54,8 +54,29 @@ def _group_mask_TE(choice_TE: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     else:  # "max"
         group_scores_TG = grouped_TGe.max(dim=-1).values
     group_idx = torch.topk(group_scores_TG, k=spec.topk_groups, dim=-1, sorted=False)[1]
-    group_mask_TG = torch.zeros_like(group_scores_TG).scatter_(1, group_idx, 1)
-    return group_mask_TG.unsqueeze(-1).expand(-1, spec.num_groups, per_group).reshape(-1, spec.num_experts).bool()
+    return torch.zeros_like(group_scores_TG).scatter_(1, group_idx, 1).bool()
+
+
+def select_with_groups(
+    logits_TE: torch.Tensor,
+    spec: RouterSpec,
+    bias_TE: torch.Tensor | None = None,
+    expert_bias_E: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(topk_ids_TK, kept_TG)``: the selection and, for group-limited routers, the groups it kept."""
+    z_TE = logits_TE if bias_TE is None else logits_TE + bias_TE
+    choice_TE = scores(z_TE, spec.score_function)
+    if expert_bias_E is not None:
+        choice_TE = choice_TE + expert_bias_E
+    kept_TG = None
+    if spec.group_scoring is not None:
+        kept_TG = kept_groups(choice_TE, spec)
+        per_group = spec.num_experts // spec.num_groups
+        keep_TE = kept_TG.unsqueeze(-1).expand(-1, spec.num_groups, per_group).reshape(-1, spec.num_experts)
+        # DeepSeek-V3 masks losing groups to -inf; DeepSeek-V2 zeroes their (softmax) scores
+        fill = float("-inf") if spec.group_scoring == "top2-sum" else 0.0
+        choice_TE = choice_TE.masked_fill(~keep_TE, fill)
+    return torch.topk(choice_TE, k=spec.top_k, dim=-1, sorted=spec.topk_sorted)[1], kept_TG
 
 
 def select(
@@ -65,16 +86,7 @@ def select(
     expert_bias_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``topk_ids_TK``: the model's own selection on ``logits + bias`` (bias: selection only)."""
-    z_TE = logits_TE if bias_TE is None else logits_TE + bias_TE
-    choice_TE = scores(z_TE, spec.score_function)
-    if expert_bias_E is not None:
-        choice_TE = choice_TE + expert_bias_E
-    if spec.group_scoring is not None:
-        keep_TE = _group_mask_TE(choice_TE, spec)
-        # DeepSeek-V3 masks losing groups to -inf; DeepSeek-V2 zeroes their (softmax) scores
-        fill = float("-inf") if spec.group_scoring == "top2-sum" else 0.0
-        choice_TE = choice_TE.masked_fill(~keep_TE, fill)
-    return torch.topk(choice_TE, k=spec.top_k, dim=-1, sorted=spec.topk_sorted)[1]
+    return select_with_groups(logits_TE, spec, bias_TE, expert_bias_E)[0]
 
 
 def combine_weights(logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor, spec: RouterSpec) -> torch.Tensor:

@@ -164,8 +164,14 @@ def test_rpb_selects_on_biased_logits_and_keeps_structural_and_padding_native(ar
         hidden_TH, _, _, ids_TK = tap.calls[layer][-1]
         native_ids = native(router, hidden_TH)[2]
         ids, nat = ids_TK[VALID_T].sort(-1).values, native_ids[VALID_T].sort(-1).values
-        assert stats[layer].tokens == int(VALID_T.sum())
-        assert stats[layer].changed == int((ids != nat).any(-1).sum())
+        assert stats[layer].tokens == int(VALID_T.sum()) and stats[layer].content == int(CONTENT_T.sum())
+        # structural tokens keep the native choice, so every changed token is a content token; the
+        # fraction is over content tokens (the only ones the bias can reach)
+        content_ids, content_nat = ids_TK[CONTENT_T].sort(-1).values, native_ids[CONTENT_T].sort(-1).values
+        assert (
+            stats[layer].changed == int((content_ids != content_nat).any(-1).sum()) == int((ids != nat).any(-1).sum())
+        )
+        assert stats[layer].changed_fraction == stats[layer].changed / int(CONTENT_T.sum())
         load = torch.zeros(router.weight.shape[0])
         for e in ids.reshape(-1).tolist():
             load[e] += 1

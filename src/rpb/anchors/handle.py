@@ -40,7 +40,7 @@ from rpb.anchors.methods import Method, RouterState, get_method
 from rpb.anchors.prior_routing import PriorRouting
 from rpb.errors import ArgumentError
 from rpb.retention.metrics import entropy_bits
-from rpb.routing import RouterSpec, combine_weights, route
+from rpb.routing import RouterSpec, combine_weights, select_with_groups
 
 
 @dataclass
@@ -55,13 +55,15 @@ class _Layer:
 class LayerStats:
     """Per-layer routing statistics of the last recorded step."""
 
-    tokens: int = 0
-    changed: int = 0  # tokens whose selected set differs from the native one
+    tokens: int = 0  # non-padding tokens (the load's denominator)
+    content: int = 0  # Q / A tokens: the only ones a prior can move
+    changed: int = 0  # content tokens whose selected set differs from the native one
     load_E: torch.Tensor | None = None
 
     @property
     def changed_fraction(self) -> float:
-        return self.changed / max(self.tokens, 1)
+        """Of the tokens the bias can reach (content), the fraction whose expert set it changed."""
+        return self.changed / max(self.content, 1)
 
     @property
     def utilization_entropy_bits(self) -> float:
@@ -77,6 +79,8 @@ class AnchorHandle:
     layers: list[_Layer]
     prior: PriorRouting | None = None
     record_stats: bool = False
+    #: apply the anchor in eval mode too (``applied_in_eval``); training never needs it
+    _in_eval: bool = False
     _context: TokenContext | None = None
     _terms: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
@@ -94,6 +98,16 @@ class AnchorHandle:
         finally:
             self._context = None
             self._terms = {}
+
+    @contextlib.contextmanager
+    def applied_in_eval(self):
+        """Apply the anchor to eval-mode forwards as training would (``rpb calibrate``: the frozen base,
+        no dropout, no router jitter); outside the block eval mode never sees the bias."""
+        self._in_eval = True
+        try:
+            yield self
+        finally:
+            self._in_eval = False
 
     def loss(self) -> torch.Tensor:
         """The anchor's loss term for the last forward (coefficient applied; 0 for none)."""
@@ -120,7 +134,7 @@ class AnchorHandle:
 
         def hook(module, args, output):
             ctx = self._context
-            if not module.training or ctx is None or (idle and not self.record_stats):
+            if not (module.training or self._in_eval) or ctx is None or (idle and not self.record_stats):
                 return None
             logits_TE, native_gates_TK, native_ids_TK = router_output(layer.moe, output)
             if native_ids_TK is None:
@@ -144,24 +158,31 @@ class AnchorHandle:
             if self.prior is not None:
                 gates_TK, ids_TK = self._prior_selection(pos, logits_TE, ctx, native_gates_TK, native_ids_TK)
             if first_call and self.record_stats:
-                self._record(pos, ids_TK, native_ids_TK, valid_T)
+                self._record(pos, ids_TK, native_ids_TK, valid_T, ctx.content_T.to(valid_T.device))
             if self.prior is None:
                 return None
             return logits_TE, gates_TK, ids_TK
 
         return hook
 
-    def _prior_selection(self, pos: int, logits_TE, ctx, native_gates_TK, native_ids_TK):
+    def prior_choice(self, pos: int, logits_TE: torch.Tensor, ctx: TokenContext):
+        """``(ids_TK, kept_TG)``: the experts the prior picks for every token of MoE layer ``pos`` -- soft:
+        the model's own selection on ``z + beta * b`` (and, for group-limited routers, the groups it
+        keeps); hard: the prior's top-k (no groups) -- before structural and padding tokens are given
+        their native choice back. Training and ``rpb calibrate`` read the very same choice."""
         layer = self.layers[pos]
         tables = self.prior.tables(ctx, logits_TE.device)
-        content_T1 = tables.content_T[:, None]
         if tables.bias_PLE is not None:
-            bias_TE = tables.bias_PLE[tables.pair_T, pos] * content_T1
+            bias_TE = tables.bias_PLE[tables.pair_T, pos] * tables.content_T[:, None]
             # added in float32: a bf16 bias would round b before it chooses (spacing ~0.03 near 4)
-            gates_TK, ids_TK = route(logits_TE, layer.spec, bias_TE.float(), layer.expert_bias_E)
-        else:
-            ids_TK = tables.topk_PLK[tables.pair_T, pos]
-            gates_TK = combine_weights(logits_TE, ids_TK, layer.spec)
+            return select_with_groups(logits_TE, layer.spec, bias_TE.float(), layer.expert_bias_E)
+        return tables.topk_PLK[tables.pair_T, pos], None
+
+    def _prior_selection(self, pos: int, logits_TE, ctx, native_gates_TK, native_ids_TK):
+        layer = self.layers[pos]
+        content_T1 = self.prior.tables(ctx, logits_TE.device).content_T[:, None]
+        ids_TK, _ = self.prior_choice(pos, logits_TE, ctx)
+        gates_TK = combine_weights(logits_TE, ids_TK, layer.spec)
         # structural and padding tokens keep exactly what the native router chose and weighted
         ids_TK = torch.where(content_T1, ids_TK, native_ids_TK)
         gates_TK = torch.where(content_T1, gates_TK.to(native_gates_TK.dtype), native_gates_TK)
@@ -180,13 +201,15 @@ class AnchorHandle:
         return self.method.loss.term(state)
 
     @torch.no_grad()
-    def _record(self, pos: int, ids_TK, native_ids_TK, valid_T) -> None:
+    def _record(self, pos: int, ids_TK, native_ids_TK, valid_T, content_T) -> None:
         E = self.layers[pos].spec.num_experts
-        ids, native = ids_TK[valid_T], native_ids_TK[valid_T]
-        changed = (ids.sort(dim=-1).values != native.sort(dim=-1).values).any(dim=-1)
-        load_E = torch.bincount(ids.reshape(-1), minlength=E).float().cpu()
+        changed_T = (ids_TK.sort(dim=-1).values != native_ids_TK.sort(dim=-1).values).any(dim=-1) & content_T
+        load_E = torch.bincount(ids_TK[valid_T].reshape(-1), minlength=E).float().cpu()
         prev = self.stats.get(pos) or LayerStats(load_E=torch.zeros(E))
-        self.stats[pos] = LayerStats(prev.tokens + len(ids), prev.changed + int(changed.sum()), prev.load_E + load_E)
+        self.stats[pos] = LayerStats(
+            prev.tokens + int(valid_T.sum()), prev.content + int(content_T.sum()),
+            prev.changed + int(changed_T.sum()), prev.load_E + load_E,
+        )  # fmt: skip
 
     def reset_stats(self) -> dict:
         """Return the statistics accumulated since the last reset, and start afresh."""

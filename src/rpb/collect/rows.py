@@ -84,18 +84,23 @@ def scan_rows(path: str | Path, template: ChatTemplate, max_seq_len: int) -> Row
     return RowIndex(path, file_hash.hexdigest(), offsets, bytes(digests), tokens)
 
 
-def label_range(rows: RowIndex, template: ChatTemplate, max_seq_len: int, start: int, stop: int) -> list[Example]:
-    """Rows ``[start, stop)`` labelled, read back from the file ``rows`` was scanned from."""
+def label_rows(rows: RowIndex, template: ChatTemplate, max_seq_len: int, indices) -> list[Example]:
+    """The rows at ``indices`` (0-based, any order) labelled, read back from the file ``rows`` was scanned from."""
     examples = []
     with open(rows.path, "rb") as f:
-        f.seek(rows.offsets[start])
-        for index in range(start, stop):
+        for index in indices:
+            f.seek(rows.offsets[index])
             raw = f.readline()
             line = raw[:-1] if raw.endswith(b"\n") else raw
             # a row that changed since the scan would silently get another row's prior
             if _digest(line) != rows.digests[32 * index : 32 * index + 32]:
-                problem = "the row changed while the prior was being collected; rerun on a file that stays as it is"
+                problem = "the row changed while rpb was reading the file; rerun on a file that stays as it is"
                 raise DataError(str(rows.path), [RowError(index + 1, "changed-during-collection", problem)])
             ids, spans = label_row(template, parse_row(line), max_seq_len)
             examples.append(Example(index, ids, spans))
     return examples
+
+
+def label_range(rows: RowIndex, template: ChatTemplate, max_seq_len: int, start: int, stop: int) -> list[Example]:
+    """Rows ``[start, stop)`` labelled (see ``label_rows``)."""
+    return label_rows(rows, template, max_seq_len, range(start, stop))
