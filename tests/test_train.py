@@ -102,9 +102,10 @@ def count_router_calls(monkeypatch):
 
 def test_gradient_checkpointing_run_matches(setup, tmp_path, monkeypatch):
     calls = count_router_calls(monkeypatch)
-    plain = weights(train(setup, "moonlight", tmp_path / "a", "rpb"))
+    off = "train.calibrate_rows=0"  # its forwards before the first step would count too
+    plain = weights(train(setup, "moonlight", tmp_path / "a", "rpb", off))
     assert len(calls) == 3  # one forward per step
-    ckpt = weights(train(setup, "moonlight", tmp_path / "b", "rpb", "train.gradient_checkpointing=true"))
+    ckpt = weights(train(setup, "moonlight", tmp_path / "b", "rpb", off, "train.gradient_checkpointing=true"))
     assert len(calls) == 3 + 6  # forward and recomputation in each of the 3 steps
     assert max(float((plain[k] - ckpt[k]).abs().max()) for k in plain) <= 1e-6
 
@@ -206,3 +207,24 @@ def test_the_callers_config_and_process_group_are_left_as_they_were(setup, tmp_p
     assert cfg.anchor == before and cfg.anchor.router_transform is None
     record = json.loads((tmp_path / "rpb_run.json").read_text())
     assert record["router_transform"] == "softmax" and record["config"]["anchor"]["router_transform"] is None
+
+
+def test_the_run_measures_its_own_displacement_before_the_first_step(setup, tmp_path, caplog):
+    """log.jsonl opens with calibrate/displacement: rpb calibrate's counterfactual at the run's beta, on
+    the same rows (all 16 here), measured by the anchor about to train; a warning above the limit."""
+    from rpb.calibrate import calibrate
+
+    model, data, prior = setup["moonlight"]
+    out = train(setup, "moonlight", tmp_path, "rpb", "train.displacement_warn=0.0", steps=1)
+    first = json.loads((out / "log.jsonl").read_text().splitlines()[0])
+    report = calibrate(str(model), prior, data, betas=[1.0], rows=16, progress=False)
+    assert first["step"] == 0
+    assert first["calibrate/displacement"] == pytest.approx(
+        report["displacement_counterfactual"]["mean"]["1"]["both"], abs=1e-5
+    )
+    for i, layer in enumerate(report["moe_layers"]):
+        expected = report["displacement_counterfactual"]["layers"]["1"]["both"][i]
+        assert first[f"calibrate/displacement/layer{layer}"] == pytest.approx(expected, abs=1e-5)
+    assert "moves" in caplog.text and "displacement_warn=0" in caplog.text
+    quiet = train(setup, "moonlight", tmp_path / "off", "rpb", "train.calibrate_rows=0", steps=1)
+    assert "calibrate/displacement" not in (quiet / "log.jsonl").read_text()

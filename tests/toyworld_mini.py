@@ -12,7 +12,7 @@ from rpb.toyworld.world import PostRecipe
 
 MINI_BASE = BaseRecipe(hidden_size=32, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
                        moe_intermediate_size=16, intermediate_size=64, batch_size=8, max_steps=6, pool=64)  # fmt: skip
-MINI_POST = PostRecipe(train_rows=48, max_steps=3, batch_size=8, warmup_steps=0, eval_per_domain=4, probe_rows=24,
+MINI_POST = PostRecipe(train_rows=48, max_steps=3, batch_size=8, warmup_steps=0, eval_id=4, eval_ood=4, probe_rows=24,
                        base=MINI_BASE)  # fmt: skip
 #: two methods, one seed; lbl's weight chosen on validation from two candidates
 MINI_GRID = Grid("mini", ("math_post",), (Arm("lbl", "lbl"), Arm("rpb", "rpb")), (42,), tables=("demo",),

@@ -120,14 +120,14 @@ def _demo(args) -> int:
 def _experiment(args) -> int:
     import time
 
-    from rpb.toyworld.experiment import GRIDS, Study
+    from rpb.toyworld.across import run_grid
+    from rpb.toyworld.experiment import GRIDS
 
     started = time.perf_counter()
-    study = Study(args.out or f"rpb-experiment-{args.grid}", GRIDS[args.grid], cache_dir=args.cache_dir,
-                  progress=not args.no_progress, keep_checkpoints=args.keep_checkpoints)  # fmt: skip
-    tables = study.report(study.run())
+    out = args.out or f"rpb-experiment-{args.grid}"
+    tables = run_grid(GRIDS[args.grid], out, args.cache_dir, not args.no_progress, args.keep_checkpoints)
     print(tables)
-    print(f"wrote {study.out}/tables.md, results.json and plots ({time.perf_counter() - started:.0f} s this run)")
+    print(f"wrote {out}/tables.md and results.json ({time.perf_counter() - started:.0f} s this run)")
     return 0
 
 
@@ -201,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--data-jsonl", required=True, help="the file the prior was collected on")
     k.add_argument("--out", required=True, help="directory for calibrate.json, calibrate.md and calibrate.png")
     k.add_argument("--betas", type=_betas, default=[0.1, 0.25, 0.5, 1.0, 2.0], help="comma-separated, e.g. 0.25,0.5,1")
-    k.add_argument("--rows", type=int, default=256, help="a seeded sample of this many rows")
+    k.add_argument(
+        "--rows", type=int, help="a seeded sample of this many rows (default: 256, or every row of a smaller file)"
+    )
     k.add_argument("--seed", type=int, default=0, help="row sample and bootstrap seed")
     k.add_argument("--eps", type=float, default=0.05)
     k.add_argument("--c", type=float, default=5.0)
@@ -261,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = add("experiment", help="the toy-world study: every anchor x seeds x post-training sets, tables")
     x.add_argument(
-        "--grid", default="small", choices=["full", "small", "beta"],
-        help="full: 11 methods x 3 seeds x 2 sets; small: 4 methods x 1 seed on the math set; beta: rpb over beta",
+        "--grid", default="small", choices=["headline", "full", "small", "beta"],
+        help="headline: sft, lbl, rpb, rpb at the calibrated beta x 3 seeds x 2 sets x 3 bases; full: every method "
+        "x 3 seeds x 2 sets x 3 bases; beta: rpb over beta, likewise; small: 4 methods x 1 seed on the math set",
     )  # fmt: skip
     x.add_argument("--out", help="output directory (default: rpb-experiment-<grid>); rerun to resume")
     x.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")

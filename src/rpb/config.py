@@ -45,6 +45,12 @@ class TrainSection:
     #: passed to TrainingArguments.fsdp / fsdp_config (e.g. "full_shard auto_wrap", {"version": 2})
     fsdp: str = ""
     fsdp_config: dict | None = None
+    #: rows sampled before the first step to measure how far this run's bias moves the base's own expert
+    #: choice (counterfactual displacement over content tokens, logged as calibrate/displacement); 0: off
+    calibrate_rows: int = 256
+    #: warn when that mean displacement is above this: the beta rule's limit (rpb.calibrate.rule), where
+    #: the bias stops holding the base's routing and starts replacing it with the span average
+    displacement_warn: float = 0.5
     #: deterministic kernels while training (torch.use_deterministic_algorithms): the same run
     #: twice gives the same weights bit for bit. On CPU the MoE backward otherwise accumulates
     #: in thread order; on GPU some ops then raise instead of running nondeterministically
@@ -206,6 +212,8 @@ def validate(cfg: RunConfig) -> list[str]:
     for key in ("max_steps", "batch_size", "grad_accum", "log_every"):
         if getattr(t, key) < 1:
             out.append(f"train.{key}: must be >= 1, got {getattr(t, key)}")
+    if t.calibrate_rows < 0:
+        out.append(f"train.calibrate_rows: must be >= 0 (0: off), got {t.calibrate_rows}")
     if t.max_seq_len is not None and t.max_seq_len < 2:
         out.append(f"train.max_seq_len: must be >= 2, got {t.max_seq_len}")
     if t.lr <= 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from rpb.config import RunConfig
 from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, load_labelled
 from rpb.fileio import write_text_atomic
 from rpb.models import load_causal_lm, load_tokenizer, pad_id_of
+
+logger = logging.getLogger(__name__)
 
 
 class AnchorTrainerMixin:
@@ -223,6 +226,35 @@ def training_arguments(cfg: RunConfig, progress: bool = True) -> TrainingArgumen
     )
 
 
+def check_displacement(cfg: RunConfig, prepared: PreparedRun, log_path: Path) -> float | None:
+    """Before the first step (rank 0): how far this run's bias moves the base's own expert choice
+    (``rpb.calibrate.startup``); logged to ``log.jsonl`` as ``calibrate/displacement`` (mean over MoE
+    layers, and per layer), with a warning above ``train.displacement_warn``. None when off or moot."""
+    from rpb.calibrate.startup import startup_displacement
+
+    if not prepared.handle.method.needs_prior or cfg.train.calibrate_rows == 0:
+        return None
+    per_layer = startup_displacement(prepared.handle, prepared.model, prepared.dataset.examples,
+                                     cfg.train.calibrate_rows, cfg.data.seed, cfg.train.batch_size,
+                                     prepared.collator.pad_id)  # fmt: skip
+    mean = sum(per_layer) / len(per_layer)
+    record = {"step": 0, "calibrate/displacement": round(mean, 5)}
+    record |= {f"calibrate/displacement/layer{layer.moe.layer_index}": round(v, 5)
+               for layer, v in zip(prepared.handle.layers, per_layer, strict=True)}  # fmt: skip
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    prepared.info["calibrate_displacement"] = {"mean": mean, "per_layer": per_layer}
+    if mean > cfg.train.displacement_warn:
+        logger.warning(
+            "rpb: %s (anchor.beta=%g) moves %.0f%% of content tokens off the base's own expert choice before any "
+            "training (mean over MoE layers; train.displacement_warn=%g): it will replace the base's routing with "
+            "the span average rather than hold it. `rpb calibrate` measures other betas.",
+            cfg.anchor.method, cfg.anchor.beta, 100 * mean, cfg.train.displacement_warn,
+        )  # fmt: skip
+    return mean
+
+
 def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerCallback] | None = None) -> Path:
     """The ``rpb train`` job; returns the directory of the saved checkpoint.
 
@@ -244,6 +276,8 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
     )
     if callbacks is not None:
         trainer.remove_callback(PrinterCallback)
+    if trainer.is_world_process_zero():
+        check_displacement(cfg, prepared, out / "log.jsonl")
     try:
         with deterministic_algorithms(cfg.train.deterministic):
             trainer.train()

@@ -35,7 +35,7 @@ def quickstart_commands() -> list[str]:
 
 def test_the_quickstart_is_what_the_readme_says():
     cmds = quickstart_commands()
-    assert [c.split()[1] for c in cmds] == ["collect", "validate", "train", "train", "retention"]
+    assert [c.split()[1] for c in cmds] == ["collect", "validate", "calibrate", "train", "train", "retention"]
     assert all(c.startswith("rpb ") for c in cmds)
 
 
@@ -60,6 +60,7 @@ def test_every_quickstart_command_runs(tmp_path, monkeypatch, moon_tok, capsys):
     assert "OK" in out and "configuration OK (anchor.method=rpb)" in out
     run = json.loads((workdir / "runs" / "moonlight-rpb" / "rpb_run.json").read_text())
     assert run["method"] == "rpb" and run["config"]["anchor"]["beta"] == 1.0
+    assert json.loads((workdir / "calibration" / "calibrate.json").read_text())["recommended_beta"] >= 0
     report = json.loads((workdir / "retention" / "report.json").read_text())
     assert report["post"] == "runs/moonlight-rpb" and 0 <= report["mean"]["tvd"] <= 1
 

@@ -46,6 +46,11 @@ def test_miniature_grid_writes_tables_results_and_plots(finished):
     results = _results(out)
     assert [(r["arm"], r["seed"], r["part"]) for r in results] == [("lbl", 42, "test"), ("rpb", 42, "test")]
     for r in results:
+        assert (
+            r["mechanism"]["start_displacement"] is None
+            if r["method"] == "lbl"
+            else 0 <= r["mechanism"]["start_displacement"] <= 1
+        )
         assert set(r["per_domain"]) == {"math_post", *DOMAINS}
         assert r["id"] == r["per_domain"]["math_post"]
         assert r["ood"] == pytest.approx(sum(r["per_domain"][d] for d in DOMAINS) / 4)
@@ -154,10 +159,17 @@ def test_tables_show_mean_and_sample_std_over_seeds():
     assert "| rpb-hard | 10.0 | 10.0 |" in main
 
 
-def test_the_full_grid_is_every_method_seed_and_set():
+def test_the_grids_are_what_the_docs_say():
     full = GRIDS["full"]
-    assert len(full.arms) == 11 and full.seeds == (42, 43, 44) and full.sets == POST_SETS
-    assert len(full.sets) * len(full.arms) * len(full.seeds) == 66
-    assert [a.label for a in GRIDS["demo"].arms] == ["sft", "lbl", "rpb"]
+    assert len(full.arms) == 11 and full.seeds == (42, 43, 44) and full.sets == POST_SETS and full.bases == (0, 1, 2)
+    assert len(full.sets) * len(full.arms) * len(full.seeds) * len(full.bases) == 198
+    headline = GRIDS["headline"]
+    assert [a.label for a in headline.arms] == ["sft", "lbl", "rpb", "rpb calibrated"] and headline.arms[-1].calibrated
+    assert len(headline.sets) * len(headline.arms) * len(headline.seeds) * len(headline.bases) == 72
+    for name in ("headline", "full", "beta"):  # the larger test sets, both parts scored
+        post = GRIDS[name].post
+        assert (post.eval_id, post.eval_ood, post.score_parts) == (500, 300, ("validation", "test"))
+    assert [a.label for a in GRIDS["demo"].arms] == ["sft", "lbl", "rpb", "rpb calibrated"]
+    assert GRIDS["demo"].post is None and GRIDS["demo"].bases == (0,)  # the demo keeps today's test sets
     betas = [dict(a.anchor).get("beta") for a in GRIDS["beta"].arms]
     assert betas == [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, None] and GRIDS["beta"].arms[-1].method == "rpb-hard"

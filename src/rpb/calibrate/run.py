@@ -50,7 +50,7 @@ DEFAULT_ROWS = 256
 SCHEMA = "rpb_calibrate"
 
 
-def check_arguments(betas, rows: int) -> list[float]:
+def check_arguments(betas, rows: int | None) -> list[float]:
     """The betas as floats, or an ArgumentError naming every problem."""
     problems = []
     betas = [float(b) for b in betas]
@@ -62,7 +62,7 @@ def check_arguments(betas, rows: int) -> list[float]:
         problems.append(f"--betas: must be >= 0, got {[b for b in betas if b < 0]}")
     if len(set(betas)) != len(betas):
         problems.append(f"--betas: each beta once, got {betas}")
-    if rows < 1:
+    if rows is not None and rows < 1:
         problems.append(f"--rows: must be >= 1, got {rows}")
     if problems:
         raise ArgumentError("; ".join(problems))
@@ -177,19 +177,22 @@ def prior_entropy(pi_RSLE: torch.Tensor, eps: float, c: float) -> list[float]:
 
 def calibrate(
     model: str, prior: str | Path, data_jsonl: str | Path, out: str | Path | None = None,
-    betas=DEFAULT_BETAS, rows: int = DEFAULT_ROWS, seed: int = 0, batch_size: int = 8,
+    betas=DEFAULT_BETAS, rows: int | None = None, seed: int = 0, batch_size: int = 8,
     eps: float = DEFAULT_EPS, c: float = DEFAULT_CLIP, tokenizer: str | None = None, trust_remote_code: bool = False,
     adapter: str | None = None, dtype: str = "float32", device: str = "auto", progress: bool = True,
 ) -> dict:  # fmt: skip
-    """Measure the bias at each of ``betas`` on a seeded sample of ``rows`` rows; write calibrate.json,
-    calibrate.md and calibrate.png to ``out`` (when given) and return the report."""
+    """Measure the bias at each of ``betas`` on a seeded sample of ``rows`` rows (None: ``DEFAULT_ROWS``, or
+    every row of a smaller file); write calibrate.json, calibrate.md and calibrate.png to ``out`` (when
+    given) and return the report."""
     betas = check_arguments(betas, rows)
     artifact = load_artifact(prior)
     meta = artifact.metadata
     tok = load_tokenizer(tokenizer or model, trust_remote_code)
     template = ChatTemplate(tok)
     index: RowIndex = scan_rows(data_jsonl, template, meta["max_seq_len"])  # every bad row, before any compute
-    if rows > index.num_rows:
+    if rows is None:
+        rows = min(DEFAULT_ROWS, index.num_rows)
+    elif rows > index.num_rows:
         raise ArgumentError(f"--rows {rows}: {data_jsonl} has only {index.num_rows} rows")
     base, facts = load_base_model(model, dtype, adapter, device)
     layers = find_moe_layers(base, facts)

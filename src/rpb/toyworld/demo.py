@@ -17,7 +17,8 @@ from rpb.toyworld.world import PostRecipe, base_dir
 
 def run_demo(out_dir: str | Path = "rpb-demo", cache_dir: str | Path | None = None, progress: bool = True) -> int:
     started = time.perf_counter()
-    study = Study(Path(out_dir), GRIDS["demo"], PostRecipe(), Path(cache_dir) if cache_dir else None, progress,
+    grid = GRIDS["demo"]
+    study = Study(Path(out_dir), grid, grid.post or PostRecipe(), Path(cache_dir) if cache_dir else None, progress,
                   keep_checkpoints=True)  # fmt: skip
     where = base_dir(study.post.base, study.cache_dir)
     cached = (where / "recipe.json").is_file()

@@ -16,6 +16,7 @@ half. The choice is recorded in ``selection.json`` and printed under the tables.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import time
@@ -30,7 +31,7 @@ from rpb.data import file_sha256
 from rpb.errors import RpbError
 from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.tasks import POST_SETS, sample
-from rpb.toyworld.world import PostRecipe, ensure_base, probe_tasks, score, train_cell, write_rows
+from rpb.toyworld.world import PostRecipe, ensure_base, mechanism, probe_tasks, score, train_cell, write_rows
 
 #: the demo's fixed weight (no search, to fit its time budget): the pretraining's load-balancing weight
 DEMO_COEFFICIENTS = {"lbl": 0.01}
@@ -42,6 +43,8 @@ class Arm:
     label: str
     method: str
     anchor: tuple[tuple[str, float], ...] = ()  # fixed AnchorConfig fields besides the chosen weight
+    #: beta from ``rpb calibrate``'s rule on this base, prior and data (``Study.calibrated_beta``)
+    calibrated: bool = False
 
     @property
     def slug(self) -> str:
@@ -64,6 +67,11 @@ class Grid:
     tables: tuple[str, ...] = ("main",)
     #: weights tried per method on the validation split (default: the methods table's ``weights``)
     candidates: dict[str, tuple[float, ...]] = field(default_factory=table_weights)
+    #: the base recipe's seeds this grid runs on: one output folder each (base<seed>/) beside the
+    #: report across them; a single base runs in the output folder itself
+    bases: tuple[int, ...] = (0,)
+    #: the post-training and scoring recipe (None: PostRecipe(), the demo's)
+    post: PostRecipe | None = None
 
 
 def _arms(*methods: str) -> tuple[Arm, ...]:
@@ -72,12 +80,22 @@ def _arms(*methods: str) -> tuple[Arm, ...]:
 
 BETA_ARMS = (*(Arm(f"rpb beta={b:g}", "rpb", (("beta", b),)) for b in BETAS), Arm("rpb hard", "rpb-hard"))
 SEEDS = (42, 43, 44)
+BASES = (0, 1, 2)
+#: the grids' recipe: larger test sets (500 ID questions per set, 300 per pretraining domain; facts has
+#: about 75 test phrasings) and every cell scored on the validation part too; the demo keeps PostRecipe()
+STUDY_POST = PostRecipe(eval_id=500, eval_ood=300, score_parts=("validation", "test"))
+CALIBRATED = Arm("rpb calibrated", "rpb", calibrated=True)
 GRIDS: dict[str, Grid] = {
-    "full": Grid("full", POST_SETS, _arms(*METHODS), SEEDS, tables=("main", "forms", "controls")),
+    "headline": Grid("headline", POST_SETS, (*_arms("sft", "lbl", "rpb"), CALIBRATED), SEEDS,
+                     tables=("main", "mechanism"), bases=BASES, post=STUDY_POST),
+    "full": Grid("full", POST_SETS, _arms(*METHODS), SEEDS, tables=("main", "forms", "controls", "mechanism"),
+                 bases=BASES, post=STUDY_POST),
     "small": Grid("small", ("math_post",), _arms("sft", "lbl", "rpb", "kl-to-base"), (42,), tables=("main", "forms")),
-    "beta": Grid("beta", POST_SETS, BETA_ARMS, SEEDS, coefficients={}, tables=("beta",)),
-    "demo": Grid("demo", ("math_post",), _arms("sft", "lbl", "rpb"), (42,), DEMO_COEFFICIENTS, ("demo",)),
-}
+    "beta": Grid("beta", POST_SETS, BETA_ARMS, SEEDS, coefficients={}, tables=("beta", "mechanism"), bases=BASES,
+                 post=STUDY_POST),
+    "demo": Grid("demo", ("math_post",), (*_arms("sft", "lbl", "rpb"), CALIBRATED), (42,), DEMO_COEFFICIENTS,
+                 ("demo", "mechanism")),
+}  # fmt: skip
 
 
 class GridChangedError(RpbError):
@@ -94,9 +112,13 @@ class Study:
     cache_dir: Path | None = None
     progress: bool = True
     keep_checkpoints: bool = False
+    #: the seed of the base recipe (the toy world's bases 0, 1 and 2)
+    base_seed: int = 0
 
     def __post_init__(self):
         self.out = Path(self.out)
+        if self.post.base.seed != self.base_seed:
+            self.post = dataclasses.replace(self.post, base=dataclasses.replace(self.post.base, seed=self.base_seed))
 
     @cached_property
     def _built_base(self) -> tuple[Path, dict]:
@@ -166,6 +188,34 @@ class Study:
             return run_retention(str(self.base()), self.probe(), path.parent, batch_size=64,
                                  max_seq_len=self.post.max_seq_len, progress=False)  # fmt: skip
 
+    def calibration(self, post_set: str) -> dict:
+        """``rpb calibrate`` of the base on the set's prior and data (calibration/<set>/calibrate.json),
+        over the beta grid's nonzero betas: its rule gives the calibrated arm's beta."""
+        from rpb.calibrate import calibrate
+
+        path = self.out / "calibration" / post_set / "calibrate.json"
+        if not path.is_file():  # written last: present means finished
+            calibrate(str(self.base()), self.prior(post_set), self.data(post_set), out=path.parent,
+                      betas=[b for b in BETAS if b > 0], batch_size=64, progress=self.progress)  # fmt: skip
+        return json.loads(path.read_text())
+
+    def calibrated_beta(self, post_set: str) -> float:
+        return float(self.calibration(post_set)["recommended_beta"])
+
+    def base_facts(self) -> dict:
+        """The base itself: its weights' hash, held-out exact match per domain, routing structure."""
+        from rpb.toyworld.world import between_domain_jsd
+
+        path = self.out / "base_facts.json"
+        if not path.is_file():
+            routing = self.base_routing()["mean"]
+            facts = {"seed": self.base_seed, "weights_sha256": file_sha256(self.base() / "model.safetensors"),
+                     "heldout_exact_match": self.base_record["heldout_exact_match"],
+                     "modularity": routing["modularity_base"], "communities": routing["communities_base"],
+                     "between_domain_jsd_bits": between_domain_jsd(self.base(), self.post)}  # fmt: skip
+            write_json_atomic(path, facts)
+        return json.loads(path.read_text())
+
     def base_score(self, post_set: str) -> dict:
         """The base model's ID / OOD exact match on the test questions: where post-training starts."""
         path = self.out / "base_scores" / f"{post_set}.json"
@@ -176,7 +226,9 @@ class Study:
     # ------------------------------------------------------------------ cells
 
     def cell(self, where: Path, post_set: str, arm: Arm, seed: int, weight: float | None,
-             part: str = "test", retention: bool = True) -> dict:  # fmt: skip
+             part: str | None = None, retention: bool = True) -> dict:  # fmt: skip
+        """One cell, trained and scored (on ``part``, or on every part of the recipe's ``score_parts``,
+        the test part's figures on top), with its retention and mechanism figures."""
         done = where / "result.json"
         if done.is_file():
             return json.loads(done.read_text())
@@ -184,20 +236,26 @@ class Study:
         anchor = dict(arm.anchor)
         if (fld := get_method(arm.method).coefficient) is not None:
             anchor[fld] = weight
+        if arm.calibrated:
+            anchor["beta"] = self.calibrated_beta(post_set)
         needs_prior = get_method(arm.method).needs_prior
         ckpt, train_s = train_cell(
             self.base(), self.data(post_set), self.prior(post_set) if needs_prior else None, where / "model",
             arm.method, seed, self.post, anchor, progress=self.progress, label=f"{post_set} {arm.label} seed {seed}",
         )  # fmt: skip
         started = time.perf_counter()
-        result = {"set": post_set, "arm": arm.label, "method": arm.method, "seed": seed, "anchor": anchor,
-                  **score(ckpt, post_set, self.post, part)}  # fmt: skip
+        parts = (part,) if part else self.post.score_parts
+        scores = {p: score(ckpt, post_set, self.post, p) for p in parts}
+        shown = scores["test"] if "test" in scores else scores[parts[0]]
+        result = {"set": post_set, "arm": arm.label, "method": arm.method, "seed": seed, "base": self.base_seed,
+                  "anchor": anchor, **shown, "scores": scores}  # fmt: skip
         if retention:
             from rpb.retention.run import run_retention
 
             report = run_retention(str(self.base()), self.probe(), where / "retention", post=str(ckpt),
                                    batch_size=64, max_seq_len=self.post.max_seq_len, progress=False)  # fmt: skip
             result["retention"] = {k: report["mean"][k] for k in ("tvd", "jsd", "topk_overlap", "nmi")}
+            result["mechanism"] = mechanism(self.base(), ckpt, self.prior(post_set), self.data(post_set))
         result["seconds"] = {"train": train_s, "evaluate": time.perf_counter() - started}
         if not self.keep_checkpoints:
             shutil.rmtree(ckpt, ignore_errors=True)
@@ -272,12 +330,15 @@ class Study:
             f"# Toy-world study: grid `{g.name}`", "",
             f"{len(g.sets)} post-training set(s) x {len(g.arms)} arm(s) x {len(g.seeds)} seed(s) "
             f"{list(g.seeds)}; {self.post.max_steps} steps of batch {self.post.batch_size} on "
-            f"{self.post.train_rows} rows; ID = the set's held-out test questions, OOD = mean over the "
-            f"pretraining domains' held-out test questions ({self.post.eval_per_domain} per domain at most); "
+            f"{self.post.train_rows} rows; ID = the set's held-out test questions ({self.post.eval_id}), OOD = mean "
+            f"over the pretraining domains' held-out test questions ({self.post.eval_ood} per domain at most); "
             "retention on the probe set against the base.", "",
             tables,
             "Anchor weights: " + (", ".join(f"{m} {w:g}" for m, w in sorted(weights.items())) or "none") + (
                 " (fixed)" if g.coefficients is not None else " (chosen on the validation split: selection.json)"),
+            *(["Calibrated beta (`rpb calibrate`'s rule, rpb/calibrate/rule.py): "
+               + ", ".join(f"{s} {self.calibrated_beta(s):g}" for s in g.sets) + " (calibration/<set>/calibrate.md)"]
+              if any(a.calibrated for a in g.arms) else []),
             "", f"Base model held-out exact match % (pretraining's own evaluation): {base}", "",
             f"Base routing on the probe set (mean over MoE layers): utilization entropy "
             f"{structure['entropy_base_bits']:.3f} bits, {structure['communities_base']:.1f} Louvain communities, "

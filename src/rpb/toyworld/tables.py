@@ -14,6 +14,10 @@ from pathlib import Path
 
 from rpb.anchors import get_method
 
+#: rpb.toyworld.world.mechanism's figures: the bias's displacement on the base before training, the fraction it
+#: changed during training, and after training the overlap with the base's own sets and with the prior's top-k
+MECHANISM_KEYS = ("start_displacement", "bias_changed", "overlap_base", "overlap_prior")
+
 #: the table kinds a grid can ask for: title, columns, and whether its rows are every arm of the grid
 #: (in grid order) or only the arms whose method the methods table lists in this kind of table
 #: (``Method.tables``), in grid order too
@@ -23,13 +27,19 @@ TABLES: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "controls": ("Interventional controls", ("id", "ood", "nmi"), False),
     "beta": ("Enforcement strength (beta)", ("id", "ood", "tvd", "topk_overlap", "nmi"), True),
     "demo": ("Demo", ("id", "ood", "tvd", "topk_overlap", "nmi"), True),
+    "mechanism": ("Mechanism: what the training did to the base's routing (content tokens)", MECHANISM_KEYS, True),
 }
-HEADERS = {"id": "ID %", "ood": "OOD %", "tvd": "TVD", "topk_overlap": "top-k overlap", "nmi": "NMI"}
+HEADERS = {"id": "ID %", "ood": "OOD %", "tvd": "TVD", "topk_overlap": "top-k overlap", "nmi": "NMI",
+           "start_displacement": "displaced before training", "bias_changed": "changed during training",
+           "overlap_base": "overlap with base sets", "overlap_prior": "overlap with prior top-k"}  # fmt: skip
 
 
 def value(result: dict, key: str) -> float:
     if key in ("id", "ood"):
         return 100.0 * result[key]
+    if key in MECHANISM_KEYS:
+        v = result.get("mechanism", {}).get(key)
+        return math.nan if v is None else float(v)
     return float(result.get("retention", {}).get(key, math.nan))
 
 

@@ -55,7 +55,12 @@ class PostRecipe:
     warmup_steps: int = 10
     lr_scheduler: str = "cosine"
     max_seq_len: int = 96
-    eval_per_domain: int = 100  # per domain and part (facts has 75 held-out phrasings per part)
+    #: held-out questions of the post-training set (ID), per part (validation, test)
+    eval_id: int = 100
+    #: held-out questions per pretraining domain (OOD), per part; facts has about 75 phrasings per part
+    eval_ood: int = 100
+    #: the parts every cell is scored on (the test part alone is reported; validation chooses weights)
+    score_parts: tuple[str, ...] = ("test",)
     probe_rows: int = 256  # held-out conversations for the retention metrics
     data_seed: int = 0  # the post-training rows (the same for every method and seed)
     base: BaseRecipe = field(default_factory=BaseRecipe)
@@ -127,6 +132,37 @@ def probe_tasks(post: PostRecipe) -> list[Task]:
     return [t for d in names for t in eval_tasks(d, "test", per, params)]
 
 
+def between_domain_jsd(base: Path, post: PostRecipe, batch_size: int = 64) -> float:
+    """How differently the base routes its four pretraining domains: the Jensen-Shannon divergence (bits)
+    between two domains' per-expert utilization on their held-out test questions, averaged over MoE
+    layers and the six pairs of domains."""
+    from itertools import combinations
+
+    from rpb.data import ChatTemplate, Example
+    from rpb.data.dataset import label_row
+    from rpb.data.jsonl import MessagesRow
+    from rpb.models import load_base_model, pad_id_of
+    from rpb.retention.metrics import jsd_bits, shares
+    from rpb.retention.run import collect_routing
+
+    tokenizer = load_tokenizer(str(base))
+    model, facts = load_base_model(str(base), device="cpu")
+    from rpb.adapters import find_moe_layers
+
+    layers = find_moe_layers(model, facts)
+    template, params = ChatTemplate(tokenizer), post.base.domain_params()
+    load = {}
+    for d in DOMAINS:
+        tasks = eval_tasks(d, "test", post.probe_rows // len(DOMAINS), params)
+        examples = [Example(i, *label_row(template, MessagesRow(tuple(to_messages(t))), post.max_seq_len))
+                    for i, t in enumerate(tasks)]  # fmt: skip
+        stats, _ = collect_routing([model], [layers], examples, batch_size, pad_id_of(tokenizer), progress=False)
+        load[d] = stats[0].load_SLE[0]
+    values = [jsd_bits(shares(load[a][pos]), shares(load[b][pos])) for a, b in combinations(DOMAINS, 2)
+              for pos in range(len(layers))]  # fmt: skip
+    return sum(values) / len(values)
+
+
 # --------------------------------------------------------------------------- scoring
 
 
@@ -135,10 +171,8 @@ def score(model_dir: str | Path, post_set: str, post: PostRecipe, part: str = "t
     tokenizer = load_tokenizer(str(model_dir))
     model = load_causal_lm(str(model_dir))
     params = post.base.domain_params()
-    per_domain = {
-        d: exact_match(model, tokenizer, eval_tasks(d, part, post.eval_per_domain, params))
-        for d in (post_set, *DOMAINS)
-    }
+    sizes = {post_set: post.eval_id} | dict.fromkeys(DOMAINS, post.eval_ood)
+    per_domain = {d: exact_match(model, tokenizer, eval_tasks(d, part, n, params)) for d, n in sizes.items()}
     ood = sum(per_domain[d] for d in DOMAINS) / len(DOMAINS)
     return {"id": per_domain[post_set], "ood": ood, "per_domain": per_domain, "part": part}
 
@@ -166,6 +200,30 @@ def train_cell(
     started = time.perf_counter()
     run_training(cfg, callbacks=[_StepBar(label or f"{method} seed {seed}", progress)])
     return out, time.perf_counter() - started
+
+
+def mechanism(base: Path, ckpt: Path, prior: Path, data_jsonl: Path, rows: int = 256) -> dict:
+    """What the cell's training did to the base's routing, beside its scores: from its ``log.jsonl``,
+    the displacement of content tokens its bias would cause on the base before the first step
+    (``calibrate/displacement``; None without a prior) and the mean fraction it changed during
+    training (``bias_changed_fraction``, over logged steps and layers); after training, on a seeded
+    sample of training rows, the overlap of the trained routing with the base's own sets and with the
+    span prior's top-k (``rpb.calibrate.agreement``)."""
+    from rpb.calibrate.agreement import training_rows_agreement
+
+    start, changed = None, []
+    for line in (ckpt / "log.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        start = record.get("calibrate/displacement", start)
+        changed += [v for k, v in record.items() if k.endswith("/bias_changed_fraction")]
+    agreement = training_rows_agreement(base, ckpt, prior, data_jsonl, rows=rows)
+    return {
+        "start_displacement": start,
+        "bias_changed": sum(changed) / len(changed) if changed else None,
+        "overlap_base": agreement["mean_overlap_base"],
+        "overlap_prior": agreement["mean_overlap_prior"],
+        "layers": {"overlap_base": agreement["overlap_base"], "overlap_prior": agreement["overlap_prior"]},
+    }
 
 
 class _StepBar(TrainerCallback):

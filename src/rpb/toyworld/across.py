@@ -1,0 +1,200 @@
+"""A grid on several bases: one ``Study`` per base (``base<seed>/``), then the report across them.
+
+The tables pair every method with ``sft`` on the same (base, seed) and give the mean difference with
+a 95% interval from the two-stage bootstrap (bases, then seeds within them), each base's own mean
+difference beside it, and under each table the minimal detectable difference of those pairs. Then
+the mechanism (what the bias did to the routing), each base's calibrated beta, the paper's claims
+with computed verdicts, and -- where the beta grid ran -- the beta rule's regret.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from rpb.anchors import get_method
+from rpb.fileio import write_json_atomic, write_text_atomic
+from rpb.toyworld.claims import judge, verdict_table
+from rpb.toyworld.experiment import Grid, Study
+from rpb.toyworld.stats import interval, minimal_detectable_difference, paired_differences, points, two_stage_bootstrap
+from rpb.toyworld.world import PostRecipe
+
+REFERENCE = "sft"
+#: a first estimate of one cell's minutes on 2 CPU cores with the grids' recipe (train, score both parts,
+#: retention, mechanism), replaced by the mean of finished cells once there are some
+FIRST_ESTIMATE_MINUTES = 2.5
+MECHANISM = {"start_displacement": "displaced before training", "bias_changed": "changed during training",
+             "overlap_base": "overlap with base sets", "overlap_prior": "overlap with prior top-k"}  # fmt: skip
+
+
+def _mean_sd(values: list[float], digits: int = 1) -> str:
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def _difference(results, post_set, arm, metric) -> tuple[str, str, list[float]]:
+    d = paired_differences(results, post_set, arm, REFERENCE, metric)
+    if not d:
+        return "—", "—", []
+    lo, hi = interval(two_stage_bootstrap(d))
+    flat = [v for vs in d.values() for v in vs]
+    per_base = " / ".join(f"b{b} {statistics.fmean(v):+.1f}" for b, v in sorted(d.items()))
+    return f"{statistics.fmean(flat):+.1f} [{lo:+.1f}, {hi:+.1f}]", per_base, flat
+
+
+def bases_table(studies: list) -> str:
+    """Each base: held-out exact match of its pretraining evaluation, routing structure on the probe set."""
+    facts = [st.base_facts() for st in studies]
+    domains = list(facts[0]["heldout_exact_match"])
+    header = ["base", *(f"{d} %" for d in domains), "modularity", "communities", "between-domain JSD (bits)",
+              "weights sha256"]  # fmt: skip
+    lines = ["### The bases", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for f in facts:
+        em = [f"{100 * f['heldout_exact_match'][d]:.1f}" for d in domains]
+        structure = [f"{f['modularity']:.3f}", f"{f['communities']:.1f}", f"{f['between_domain_jsd_bits']:.3f}"]
+        lines.append(f"| {f['seed']} | " + " | ".join([*em, *structure, f["weights_sha256"][:12]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> str:
+    rows = [r for r in results if r["set"] == post_set]
+    header = ["method"] + [f"{m} %" if k == 0 else f"Δ {m} vs sft [95% CI]" if k == 1 else f"Δ {m} per base"
+                           for m in ("ID", "OOD") for k in range(3)]  # fmt: skip
+    lines = [f"### {post_set}: exact match, and each method minus sft on the same base and seed", "",
+             "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]  # fmt: skip
+    mdd = []
+    for arm in arms:
+        cells = [r for r in rows if r["arm"] == arm]
+        if not cells:
+            continue
+        row = [arm]
+        for metric in ("id", "ood"):
+            estimate, per_base, flat = _difference(results, post_set, arm, metric) if arm != REFERENCE else ("", "", [])
+            row += [_mean_sd([points(r, metric) for r in cells]), estimate, per_base]
+            if len(flat) > 1:
+                sd = statistics.stdev(flat)
+                mdd.append(f"{arm} {metric.upper()} {minimal_detectable_difference(sd, len(flat)):.1f} (sd {sd:.1f})")
+        lines.append("| " + " | ".join(row) + " |")
+    pairs = len([r for r in rows if r["arm"] == REFERENCE])
+    legend = (f"Minimal detectable difference against sft (α 0.05 two-sided, power 0.8, t with pairs − 1 degrees "
+              f"of freedom on the paired SD; {pairs} pairs), points: ")  # fmt: skip
+    lines += ["", legend + ("; ".join(mdd) or "n/a"), ""]
+    return "\n".join(lines)
+
+
+def mechanism_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> str:
+    lines = [f"### {post_set}: what the training did to the routing (content tokens, mean ± sd over cells)", "",
+             "| method | " + " | ".join(MECHANISM.values()) + " |", "|---" * (len(MECHANISM) + 1) + "|"]  # fmt: skip
+    for arm in arms:
+        cells = [r["mechanism"] for r in results if r["set"] == post_set and r["arm"] == arm and "mechanism" in r]
+        if cells:
+            values = [_mean_sd([c[k] for c in cells if c.get(k) is not None], 3) for k in MECHANISM]
+            lines.append(f"| {arm} | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def regret_table(results: list[dict], calibrated: dict[tuple[int, str], float]) -> str:
+    """The beta rule against the best beta of the beta grid, per (base, set): the criterion is mean(ID, OOD)
+    on the validation part, per seed; the regret is best minus the rule's, with a seed-bootstrap interval."""
+    by: dict[tuple[int, str, float], dict[int, float]] = {}
+    for r in results:
+        beta = r["anchor"].get("beta") if r["method"] == "rpb" else None
+        if beta is None or "validation" not in r.get("scores", {}):
+            continue
+        v = r["scores"]["validation"]
+        by.setdefault((r.get("base", 0), r["set"], float(beta)), {})[r["seed"]] = 50.0 * (v["id"] + v["ood"])
+    lines = [
+        "| base | set | rule's beta | best beta | regret (points) [95% CI over seeds] | agrees |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (base, post_set), rule_beta in sorted(calibrated.items()):
+        grid = {b: seeds for (bb, s, b), seeds in by.items() if bb == base and s == post_set}
+        if rule_beta not in grid or not grid:
+            lines.append(f"| {base} | {post_set} | {rule_beta:g} | — | not run | — |")
+            continue
+        best = max(grid, key=lambda b: statistics.fmean(grid[b].values()))
+        seeds = sorted(set(grid[best]) & set(grid[rule_beta]))
+        diffs = {0: [grid[best][s] - grid[rule_beta][s] for s in seeds]}
+        lo, hi = interval(two_stage_bootstrap(diffs))
+        label = " (base 0: in-sample)" if base == 0 else ""
+        regret = f"{statistics.fmean(diffs[0]):+.1f} [{lo:+.1f}, {hi:+.1f}]"
+        lines.append(
+            f"| {base}{label} | {post_set} | {rule_beta:g} | {best:g} | {regret} | {'yes' if lo <= 0 else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def report_across(grid, studies: list, results: list[dict], out: Path) -> str:
+    """tables.md and results.json across the bases; returns the tables."""
+    arms = tuple(a.label for a in grid.arms)
+    parts = [f"# Toy-world study: grid `{grid.name}` on bases {list(grid.bases)}", "", bases_table(studies)]
+    for s in grid.sets:
+        parts.append(scores_table(results, s, arms))
+    if any("mechanism" in r for r in results):
+        parts += [mechanism_table(results, s, arms) for s in grid.sets]
+    calibrated = {(st.base_seed, s): st.calibrated_beta(s) for st in studies for s in grid.sets
+                  if any(a.calibrated for a in grid.arms) or grid.name == "beta"}  # fmt: skip
+    if calibrated:
+        parts += ["### Calibrated beta per base and set (`rpb calibrate`, rule in rpb/calibrate/rule.py)", "",
+                  "| base | " + " | ".join(grid.sets) + " |", "|---" * (len(grid.sets) + 1) + "|"]  # fmt: skip
+        for st in studies:
+            parts.append(
+                f"| {st.base_seed} | " + " | ".join(f"{calibrated[(st.base_seed, s)]:g}" for s in grid.sets) + " |"
+            )
+        parts.append("")
+    if grid.name == "beta":
+        parts += ["### The beta rule against the best beta", "", regret_table(results, calibrated)]
+    parts += ["### The paper's claims, judged by rule (docs/toyworld.md)", "", verdict_table(judge(results, grid.sets))]
+    tables = "\n".join(parts)
+    write_text_atomic(out / "tables.md", tables)
+    write_json_atomic(
+        out / "results.json", sorted(results, key=lambda r: (r.get("base", 0), r["set"], r["arm"], r["seed"]))
+    )
+    write_json_atomic(out / "bases.json", {st.base_seed: st.base_facts() for st in studies})
+    return tables
+
+
+def load_results(out: Path) -> list[dict]:
+    return json.loads((out / "results.json").read_text())
+
+
+def studies(
+    grid: Grid, out: Path, cache_dir=None, progress: bool = True, keep_checkpoints: bool = False
+) -> list[Study]:
+    """One Study per base: in ``out`` itself for a one-base grid, in ``out/base<seed>/`` otherwise."""
+    post = grid.post or PostRecipe()
+    where = [Path(out)] if len(grid.bases) == 1 else [Path(out) / f"base{b}" for b in grid.bases]
+    return [Study(w, grid, post, cache_dir, progress, keep_checkpoints, base_seed=b)
+            for w, b in zip(where, grid.bases, strict=True)]  # fmt: skip
+
+
+def cost(grid: Grid, sts: list[Study]) -> str:
+    """What is left to run, and how long it should take: the mean minutes of the cells already finished
+    (on this machine), or ``FIRST_ESTIMATE_MINUTES`` before the first one."""
+    weighted = {a.method for a in grid.arms if get_method(a.method).coefficient}
+    selection = 0 if grid.coefficients is not None else sum(len(grid.candidates[m]) for m in weighted)
+    per_base = len(grid.sets) * len(grid.arms) * len(grid.seeds) + selection
+    done = [json.loads(p.read_text()) for st in sts for p in st.out.glob("**/result.json")]
+    minutes = [sum(r["seconds"].values()) / 60 for r in done if "seconds" in r]
+    each = statistics.fmean(minutes) if minutes else FIRST_ESTIMATE_MINUTES
+    left = per_base * len(sts) - len(done)
+    return (f"grid {grid.name}: {len(sts)} base(s) x ({len(grid.sets)} set(s) x {len(grid.arms)} arm(s) x "
+            f"{len(grid.seeds)} seed(s) + {selection} weight-selection run(s)) = {per_base * len(sts)} runs; "
+            f"{len(done)} done, {left} to run, about {left * each:.0f} min on this machine "
+            f"({each:.1f} min a run, {'measured on the finished ones' if minutes else 'a first estimate'}), "
+            "plus base pretraining where a base is not cached (about 10 minutes each)")  # fmt: skip
+
+
+def run_grid(grid: Grid, out: Path, cache_dir=None, progress: bool = True, keep_checkpoints: bool = False,
+             announce=print) -> str:  # fmt: skip
+    """Every base's cells (finished ones are read back), then the report; returns the tables."""
+    sts = studies(grid, out, cache_dir, progress, keep_checkpoints)
+    announce(cost(grid, sts))
+    results = [r for st in sts for r in st.run()]
+    if len(sts) == 1:
+        return sts[0].report(results)
+    return report_across(grid, sts, results, Path(out))

@@ -1,0 +1,30 @@
+"""The paper's claims judged on synthetic cells: the right pairs, not-run claims, the table."""
+
+from __future__ import annotations
+
+from rpb.toyworld.claims import judge, verdict_table
+
+
+def cell(arm, base, seed, id_, ood, nmi):
+    return {"set": "s", "arm": arm, "base": base, "seed": seed, "id": id_, "ood": ood, "retention": {"nmi": nmi}}
+
+
+def test_claims_on_a_headline_like_grid():
+    results = []
+    for base in (0, 1, 2):
+        for seed in (42, 43, 44):
+            jitter = 0.001 * (base + seed % 3)
+            results += [cell("sft", base, seed, 0.40 + jitter, 0.30, 0.30),
+                        cell("lbl", base, seed, 0.30 + jitter, 0.25, 0.31),
+                        cell("rpb", base, seed, 0.50 + jitter, 0.30 + jitter, 0.40)]  # fmt: skip
+    verdicts = {v.claim: v for v in judge(results, ("s",))}
+    assert verdicts["RPB > SFT (s, ID)"].verdict == "reproduces"
+    assert abs(verdicts["RPB > SFT (s, ID)"].estimate - 10.0) < 1e-9
+    assert verdicts["RPB > SFT (s, OOD)"].verdict in ("reproduces", "inconclusive")
+    assert verdicts["LBL below soft anchoring: LBL < RPB (s, ID)"].verdict == "reproduces"
+    assert verdicts["soft anchoring's footprint: NMI of RPB > SFT (s)"].verdict == "reproduces"
+    assert verdicts["within-soft ≈ RPB (s, ID)"].verdict == "not run"
+    assert verdicts["global-hard lowest in accuracy (s, ID)"].verdict == "not run"
+    table = verdict_table(list(verdicts.values()))
+    assert "| RPB > SFT (s, ID) | +10 |" in table and "not run" in table
+    assert "the paper calls this advantage model-dependent" in table

@@ -1,0 +1,80 @@
+"""Paired differences, the two-stage bootstrap, detectable differences and the verdict rules, on hand cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import t as student_t
+
+from rpb.toyworld import stats
+
+
+def cell(arm, base, seed, id_, ood=0.5, nmi=0.5):
+    return {"set": "s", "arm": arm, "base": base, "seed": seed, "id": id_, "ood": ood, "retention": {"nmi": nmi}}
+
+
+def test_paired_differences_pair_the_same_base_and_seed_in_points():
+    results = [
+        cell("sft", 0, 1, 0.30),
+        cell("rpb", 0, 1, 0.35),
+        cell("sft", 1, 1, 0.50),
+        cell("rpb", 1, 1, 0.40),
+        cell("rpb", 2, 1, 0.9),
+    ]  # no sft on base 2: unpaired, left out
+    d = stats.paired_differences(results, "s", "rpb", "sft", "id")
+    assert d.keys() == {0, 1} and d[0] == pytest.approx([5.0]) and d[1] == pytest.approx([-10.0])
+
+
+def test_two_stage_bootstrap_resamples_bases_then_seeds():
+    assert np.all(stats.two_stage_bootstrap({0: [3.0, 3.0], 1: [3.0]}) == 3.0)  # no spread, no interval
+    boot = stats.two_stage_bootstrap({0: [0.0, 0.0, 0.0], 1: [10.0, 10.0, 10.0]}, resamples=20_000)
+    # seeds never vary within a base, so each resample is the mean of two drawn bases: 0, 5 or 10
+    assert set(np.unique(boot)) <= {0.0, 5.0, 10.0}
+    assert np.mean(boot == 5.0) == pytest.approx(0.5, abs=0.02) and np.mean(boot == 0.0) == pytest.approx(
+        0.25, abs=0.02
+    )
+    assert np.array_equal(
+        boot, stats.two_stage_bootstrap({0: [0.0, 0.0, 0.0], 1: [10.0, 10.0, 10.0]}, resamples=20_000)
+    )
+
+
+def test_minimal_detectable_difference_is_the_paired_t_formula():
+    expected = (student_t.ppf(0.975, 8) + student_t.ppf(0.8, 8)) * 10.0 / 3.0
+    assert stats.minimal_detectable_difference(10.0, 9) == pytest.approx(expected) == pytest.approx(10.65, abs=0.01)
+    assert math.isnan(stats.minimal_detectable_difference(10.0, 1))
+
+
+def test_greater_reproduces_contradicts_or_stays_inconclusive():
+    assert stats.greater("c", {0: [5, 6, 7], 1: [4, 5, 6], 2: [6, 6, 7]}).verdict == "reproduces"
+    assert stats.greater("c", {0: [-5, -6, -7], 1: [-4, -5, -6], 2: [-6, -6, -7]}).verdict == "contradicted"
+    assert stats.greater("c", {0: [5, -6, 7], 1: [-4, 5, -6], 2: [6, -6, 1]}).verdict == "inconclusive"
+    # the pooled interval above 0, yet one base's own mean below it: not reproduced
+    one_base_against = {0: [9, 9, 9], 1: [9, 9, 9], 2: [-0.5, -0.5, -0.5], 3: [9, 9, 9], 4: [9, 9, 9]}
+    v = stats.greater("c", one_base_against)
+    assert v.ci[0] > 0 and v.verdict == "inconclusive"
+    assert stats.greater("lbl below", {0: [-5, -6], 1: [-4, -5]}, direction=-1).verdict == "reproduces"
+
+
+def test_equivalence_well_below_and_extremes():
+    assert stats.equivalent("c", {0: [0.1, -0.2, 0.3], 1: [0.0, 0.2, -0.1]}).verdict == "reproduces"
+    assert stats.equivalent("c", {0: [9, 10, 11], 1: [10, 9, 11]}).verdict == "contradicted"
+    assert stats.equivalent("c", {0: [-3, 3, 0], 1: [2, -2, 4]}).verdict == "inconclusive"
+    assert stats.well_below("c", {0: [-10, -12], 1: [-11, -9]}).verdict == "reproduces"
+    assert stats.well_below("c", {0: [-1, 0], 1: [1, -2]}).verdict == "contradicted"
+    lowest = stats.extreme("c", {"a": {0: [-5, -6], 1: [-5, -4]}, "b": {0: [-1, -2], 1: [-1, -2]}}, -1)
+    assert lowest.verdict == "reproduces" and "closest: b" in lowest.note
+    assert (
+        stats.extreme("c", {"a": {0: [-5, -6], 1: [-5, -4]}, "b": {0: [3, 2], 1: [2, 4]}}, -1).verdict == "contradicted"
+    )
+
+
+def test_holm_keeps_only_what_the_step_down_rejects():
+    vs = [stats.Verdict(f"c{i}", 1.0, (0.5, 1.5), p, "reproduces") for i, p in enumerate([0.01, 0.02, 0.04])]
+    vs.append(stats.Verdict("c3", 0.0, (-1, 1), 0.5, "inconclusive"))
+    stats.holm(vs)
+    # four p-values: 0.01 <= .05/4, then 0.02 > .05/3: the step-down stops there
+    assert [v.holm for v in vs] == ["reproduces", "inconclusive", "inconclusive", "inconclusive"]
+    two = [stats.Verdict(f"c{i}", 1.0, (0.5, 1.5), p, "reproduces") for i, p in enumerate([0.01, 0.02])]
+    assert [v.holm for v in stats.holm(two)] == ["reproduces", "reproduces"]  # 0.01 <= .05/2, 0.02 <= .05/1
