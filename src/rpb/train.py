@@ -22,11 +22,12 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
 from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
-from rpb.anchors import AnchorHandle, RunFacts, get_method, install_anchor, verify_prior
+from rpb.anchors import AnchorConfig, AnchorHandle, RunFacts, get_method, install_anchor, verify_prior
 from rpb.anchors.controls import base_communities, layer_permutations
 from rpb.artifact import load_artifact
 from rpb.config import RunConfig
-from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, load_labelled
+from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, LabelledData, load_labelled
+from rpb.errors import ArgumentError
 from rpb.fileio import write_text_atomic
 from rpb.models import load_causal_lm, load_tokenizer, pad_id_of
 
@@ -36,11 +37,11 @@ logger = logging.getLogger(__name__)
 class AnchorTrainerMixin:
     """Makes a Trainer's steps carry the per-token (sample, span) context and add the anchor's loss.
 
-    Mix it in before any ``transformers.Trainer`` subclass (TRL's ``SFTTrainer`` too:
-    ``class RPBSFTTrainer(AnchorTrainerMixin, SFTTrainer)``) and pass ``anchor=handle``.
-    Batches must hold ``rpb_sample_index`` and ``rpb_span`` (``AnchorCollator`` makes them);
-    they are taken out before the model sees the batch. The context stays set through
-    backward, so gradient checkpointing recomputes with the same bias.
+    Mix it in before a ``transformers.Trainer`` subclass and pass ``anchor=handle`` (for TRL's
+    ``SFTTrainer`` use ``rpb.integrations.trl``, which also fixes TRL's data handling and its
+    auxiliary loss). Batches must hold ``rpb_sample_index`` and ``rpb_span`` (``AnchorCollator``
+    makes them); they are taken out before the model sees the batch. The context stays set
+    through backward, so gradient checkpointing recomputes with the same bias.
     """
 
     def __init__(self, *args, anchor: AnchorHandle, **kwargs):
@@ -48,15 +49,31 @@ class AnchorTrainerMixin:
         self.anchor = anchor
         self._anchor_terms: list[float] = []
 
+    @staticmethod
+    def _token_keys(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        missing = [k for k in ("rpb_sample_index", "rpb_span") if k not in inputs]
+        if missing:
+            raise KeyError(
+                f"the batch has no {missing}: the anchor needs every token's (sample, span); use "
+                f"rpb.data.AnchorCollator as the data collator (this batch has {sorted(inputs)})"
+            )
+        return inputs.pop("rpb_sample_index"), inputs.pop("rpb_span")
+
     def training_step(self, model, inputs, num_items_in_batch=None):
-        sample_BT = inputs.pop("rpb_sample_index")
-        span_BT = inputs.pop("rpb_span")
+        sample_BT, span_BT = self._token_keys(inputs)
         self.anchor.record_stats = (self.state.global_step + 1) % self.args.logging_steps == 0
         with self.anchor.step(sample_BT, span_BT, inputs.get("attention_mask")):
             return super().training_step(model, inputs, num_items_in_batch)
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # evaluation never sees the anchor (eval mode); the keys only have to leave the batch
+        inputs = {k: v for k, v in inputs.items() if k not in ("rpb_sample_index", "rpb_span")}
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        # ``return_outputs`` passes through: TRL's SFTTrainer runs a second forward to build logits when asked
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss, outputs = result if return_outputs else (result, None)
         if model.training and self.anchor.method.loss is not None:
             term = self.anchor.loss()
             self._anchor_terms.append(float(term.detach()))
@@ -110,39 +127,51 @@ class PreparedRun:
     info: dict
 
 
-def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
-    """Load everything, check the prior against it, and install the anchor."""
-    method = get_method(cfg.anchor.method)
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
-    artifact = load_artifact(cfg.prior) if cfg.prior else None  # memory-mapped: a node's ranks share one copy
-    meta = artifact.metadata if artifact else {}
-    max_seq_len = cfg.train.max_seq_len or meta["max_seq_len"]
-    data = load_labelled(cfg.data_jsonl, tokenizer, max_seq_len)  # every bad row, before any compute
-
-    model = load_causal_lm(cfg.model, cfg.train.dtype)
-    facts = get_adapter(cfg.adapter or model.config.model_type)
+def attach_anchor(
+    model: torch.nn.Module,
+    tokenizer,
+    data: LabelledData,
+    anchor_cfg: AnchorConfig,
+    artifact=None,
+    *,
+    model_id: str,
+    prior_path: str = "prior",
+    tokenizer_id: str | None = None,
+    max_seq_len: int | None = None,
+    adapter: str | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> tuple[AnchorHandle, dict]:
+    """Check the prior (``artifact``, may be None for methods without one) against this model,
+    tokenizer and labelled data file, then install the anchor; returns the handle and what the run
+    records (method, rows, the shuffled controls' permutations). ``rpb train`` and the TRL
+    integration both start here, so they refuse the same mismatches with the same errors."""
+    method = get_method(anchor_cfg.method)
+    if method.needs_prior and artifact is None:
+        raise ArgumentError(f"anchor.method={method.name} needs a prior (`rpb collect`); none was given")
+    meta = artifact.metadata if artifact is not None else {}
+    max_seq_len = max_seq_len or meta.get("max_seq_len")
+    facts = get_adapter(adapter or model.config.model_type)
     layers = find_moe_layers(model, facts)
     if artifact is not None:
         run = RunFacts(
             data_sha256=data.sha256,
             num_rows=data.num_rows,
-            model=cfg.model,
+            model=model_id,
             routers_sha256=routers_sha256(layers, facts),
-            tokenizer=cfg.tokenizer or cfg.model,
+            tokenizer=tokenizer_id or model_id,
             chat_template_sha256=ChatTemplate(tokenizer).sha256,
             top_k=int(getattr(model.config, facts.top_k_config)),
             max_seq_len=max_seq_len,
             moe_layers=[m.layer_index for m in layers],
             num_experts=int(layers[0].router.weight.shape[0]),
-            router_transform=cfg.anchor.router_transform,
+            router_transform=anchor_cfg.router_transform,
         )
-        verify_prior(meta, run, cfg.prior)
-    anchor_cfg = cfg.anchor
+        verify_prior(meta, run, prior_path)
     if anchor_cfg.router_transform is None and meta:
         # a copy: the caller's configuration stays as given (it is recorded in rpb_run.json)
         anchor_cfg = dataclasses.replace(anchor_cfg, router_transform=meta["router_transform"])
 
-    pad_id = pad_id_of(tokenizer)
     info: dict = {"method": method.name, "rows": data.num_rows, "max_seq_len": max_seq_len,
                   "router_transform": anchor_cfg.router_transform}  # fmt: skip
     sigma_LE = None
@@ -150,19 +179,36 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
         labels_LE = None
         if method.needs_communities:
             comm = base_communities(
-                model, layers, data.examples, cfg.anchor.shuffle_seed, cfg.anchor.community_resolution,
-                cfg.train.batch_size, pad_id, progress,
+                model, layers, data.examples, anchor_cfg.shuffle_seed, anchor_cfg.community_resolution,
+                batch_size, pad_id_of(tokenizer), progress,
             )  # fmt: skip
             labels_LE = comm.labels_LE
             info["base_communities"] = {"labels": labels_LE.tolist(), "modularity": comm.modularity_L}
         num_experts = int(layers[0].router.weight.shape[0])
-        sigma_LE = layer_permutations(labels_LE, num_experts, cfg.anchor.shuffle_seed, method.shuffle, len(layers))
-        info["shuffle"] = {"mode": method.shuffle, "seed": cfg.anchor.shuffle_seed, "sigma": sigma_LE.tolist()}
+        sigma_LE = layer_permutations(labels_LE, num_experts, anchor_cfg.shuffle_seed, method.shuffle, len(layers))
+        info["shuffle"] = {"mode": method.shuffle, "seed": anchor_cfg.shuffle_seed, "sigma": sigma_LE.tolist()}
     handle = install_anchor(
-        model, anchor_cfg, prior=artifact.prior_qa if artifact else None, sigma_LE=sigma_LE, adapter=cfg.adapter
-    )
+        model, anchor_cfg, prior=artifact.prior_qa if artifact is not None else None, sigma_LE=sigma_LE,
+        adapter=adapter,
+    )  # fmt: skip
+    return handle, info
+
+
+def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
+    """Load everything, check the prior against it, and install the anchor."""
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
+    artifact = load_artifact(cfg.prior) if cfg.prior else None  # memory-mapped: a node's ranks share one copy
+    meta = artifact.metadata if artifact else {}
+    max_seq_len = cfg.train.max_seq_len or meta["max_seq_len"]
+    data = load_labelled(cfg.data_jsonl, tokenizer, max_seq_len)  # every bad row, before any compute
+    model = load_causal_lm(cfg.model, cfg.train.dtype)
+    handle, info = attach_anchor(
+        model, tokenizer, data, cfg.anchor, artifact, model_id=cfg.model, prior_path=cfg.prior,
+        tokenizer_id=cfg.tokenizer,
+        max_seq_len=max_seq_len, adapter=cfg.adapter, batch_size=cfg.train.batch_size, progress=progress,
+    )  # fmt: skip
     dataset = ExampleDataset(data.examples, cfg.train.loss_on)
-    collator = AnchorCollator(pad_id=pad_id, pack=cfg.data.packing, max_len=max_seq_len)
+    collator = AnchorCollator(pad_id=pad_id_of(tokenizer), pack=cfg.data.packing, max_len=max_seq_len)
     return PreparedRun(model, tokenizer, dataset, collator, handle, max_seq_len, info)
 
 

@@ -59,3 +59,16 @@ def test_packed_and_unpacked_batches_give_the_same_per_token_bias():
     expected = torch.stack([1.5 * log_prior_bias(pi[x, s]) if s >= 0 else torch.zeros(2, 8) for x, s in keys])
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     handle.remove()
+
+
+def test_padding_free_is_one_row_without_a_mask_and_no_label_crosses_examples():
+    features = [ExampleDataset(EXAMPLES, "all")[i] for i in range(3)]
+    batch = AnchorCollator(pad_id=0, padding_free=True)(features)
+    assert "attention_mask" not in batch and batch["input_ids"].shape == (1, 21)
+    assert batch["position_ids"][0].tolist() == list(range(7)) + list(range(5)) + list(range(9))
+    assert token_keys(batch) == token_keys(AnchorCollator(pad_id=0)(features))
+    # loss on every token: each example's first token would be predicted from the previous example's last
+    X = IGNORE_INDEX
+    assert batch["labels"][0].tolist() == [X, *range(11, 17), X, *range(21, 25), X, *range(31, 39)]
+    packed = AnchorCollator(pad_id=0, pack=True, max_len=12)(features)
+    assert packed["labels"][0].tolist() == [X, *range(11, 17), X, *range(21, 25)]

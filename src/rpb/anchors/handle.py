@@ -81,6 +81,8 @@ class AnchorHandle:
     record_stats: bool = False
     #: apply the anchor in eval mode too (``applied_in_eval``); training never needs it
     _in_eval: bool = False
+    #: the model config's ``output_router_logits`` before installing (None: the config has none)
+    native_output_router_logits: bool | None = None
     _context: TokenContext | None = None
     _terms: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
@@ -276,7 +278,7 @@ def install_anchor(
     handle = AnchorHandle(model, config, method, facts, layers, routing, record_stats)
     if hasattr(model.config, "output_router_logits"):
         # no native auxiliary loss under any method: lbl computes its own
-        old = model.config.output_router_logits
+        old = handle.native_output_router_logits = model.config.output_router_logits
         model.config.output_router_logits = False
         handle._restore.append(lambda: setattr(model.config, "output_router_logits", old))
     if method.freeze_router:

@@ -67,14 +67,21 @@ class AnchorCollator:
     so the per-token bias is the one an unpacked batch would get. Isolating attention
     between packed examples needs an attention implementation that reads position_ids
     (flash-attention varlen); with others, packed examples attend across boundaries.
+    ``padding_free=True`` puts the whole batch into one row with no attention mask at all:
+    transformers then derives each example's extent from the restarting ``position_ids``
+    (varlen kernels, or a block-diagonal mask for sdpa and eager), so attention stays inside
+    each example. In both packed forms an example's first label is -100: after the shift it
+    would be predicted from the previous example's last token.
     """
 
     pad_id: int = 0
     pack: bool = False
     max_len: int | None = None
+    padding_free: bool = False
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        rows = self._pack(features) if self.pack else [[f] for f in features]
+        rows = [list(features)] if self.padding_free else self._pack(features) if self.pack else [[f] for f in features]
+        packed = self.pack or self.padding_free
         width = max(sum(len(f["input_ids"]) for f in row) for row in rows)
         B = len(rows)
         out = {
@@ -84,7 +91,7 @@ class AnchorCollator:
             "rpb_sample_index": torch.full((B, width), -1, dtype=torch.long),
             "rpb_span": torch.full((B, width), STRUCTURAL, dtype=torch.long),
         }
-        if self.pack:
+        if packed:
             out["position_ids"] = torch.zeros((B, width), dtype=torch.long)
         for b, row in enumerate(rows):
             t = 0
@@ -95,9 +102,12 @@ class AnchorCollator:
                 out["labels"][b, t : t + n] = torch.tensor(f["labels"])
                 out["rpb_sample_index"][b, t : t + n] = f["sample_index"]
                 out["rpb_span"][b, t : t + n] = torch.tensor(f["span_ids"])
-                if self.pack:
+                if packed:
                     out["position_ids"][b, t : t + n] = torch.arange(n)
+                    out["labels"][b, t] = IGNORE_INDEX
                 t += n
+        if self.padding_free:
+            del out["attention_mask"]
         return out
 
     def _pack(self, features: list[dict]) -> list[list[dict]]:
