@@ -13,7 +13,7 @@ $(BIN)/rpb: pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	echo "$(TORCH)" > $(VENV)/torch-pin.txt && $(BIN)/python -m pip install --quiet -c $(VENV)/torch-pin.txt -e ".[megatron,trl]"
+	echo "$(TORCH)" > $(VENV)/torch-pin.txt && $(BIN)/python -m pip install --quiet -c $(VENV)/torch-pin.txt -e ".[megatron,trl,peft]"
 	@touch $@
 
 venv: $(BIN)/rpb

@@ -18,6 +18,7 @@ from rpb.anchors.config import AnchorConfig
 from rpb.anchors.methods import METHODS
 from rpb.data.batches import LossOn
 from rpb.errors import RpbError
+from rpb.lora import LoraSection
 from rpb.models import DtypeName
 
 # YAML spells Python's reserved word as "lambda"
@@ -75,6 +76,7 @@ class RunConfig:
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 class ConfigError(RpbError):
@@ -218,4 +220,7 @@ def validate(cfg: RunConfig) -> list[str]:
         out.append(f"train.max_seq_len: must be >= 2, got {t.max_seq_len}")
     if t.lr <= 0:
         out.append(f"train.lr: must be > 0, got {t.lr}")
+    out += cfg.lora.problems()
+    if cfg.lora.enabled and method is not None and method.freeze_router and cfg.lora.router != "none":
+        out.append(f"lora.router: {cfg.lora.router!r} trains the router, which anchor.method {method.name!r} freezes")
     return out

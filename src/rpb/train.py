@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_callback import PrinterCallback
 
 from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
@@ -29,6 +29,7 @@ from rpb.config import RunConfig
 from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, LabelledData, load_labelled
 from rpb.errors import ArgumentError
 from rpb.fileio import write_text_atomic
+from rpb.lora import LoraSection
 from rpb.models import load_causal_lm, load_tokenizer, pad_id_of
 
 logger = logging.getLogger(__name__)
@@ -141,11 +142,14 @@ def attach_anchor(
     adapter: str | None = None,
     batch_size: int = 8,
     progress: bool = True,
+    lora: LoraSection | None = None,
+    seed: int = 42,
 ) -> tuple[AnchorHandle, dict]:
     """Check the prior (``artifact``, may be None for methods without one) against this model,
-    tokenizer and labelled data file, then install the anchor; returns the handle and what the run
-    records (method, rows, the shuffled controls' permutations). ``rpb train`` and the TRL
-    integration both start here, so they refuse the same mismatches with the same errors."""
+    tokenizer and labelled data file, wrap the model with LoRA if ``lora`` says so, then install the
+    anchor (on the wrapped model: ``handle.model``); returns the handle and what the run records
+    (method, rows, the shuffled controls' permutations). ``rpb train`` and the TRL integration both
+    start here, so they refuse the same mismatches with the same errors."""
     method = get_method(anchor_cfg.method)
     if method.needs_prior and artifact is None:
         raise ArgumentError(f"anchor.method={method.name} needs a prior (`rpb collect`); none was given")
@@ -187,6 +191,12 @@ def attach_anchor(
         num_experts = int(layers[0].router.weight.shape[0])
         sigma_LE = layer_permutations(labels_LE, num_experts, anchor_cfg.shuffle_seed, method.shuffle, len(layers))
         info["shuffle"] = {"mode": method.shuffle, "seed": anchor_cfg.shuffle_seed, "sigma": sigma_LE.tolist()}
+    if lora is not None and lora.enabled:
+        from rpb.lora import apply_lora
+
+        set_seed(seed)  # LoRA's A matrices are drawn from the global generator: the run's seed fixes them
+        model = apply_lora(model, lora, facts)  # before the anchor: PEFT replaces or copies the routers
+        info["lora"] = dataclasses.asdict(lora)
     handle = install_anchor(
         model, anchor_cfg, prior=artifact.prior_qa if artifact is not None else None, sigma_LE=sigma_LE,
         adapter=adapter,
@@ -206,10 +216,13 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
         model, tokenizer, data, cfg.anchor, artifact, model_id=cfg.model, prior_path=cfg.prior,
         tokenizer_id=cfg.tokenizer,
         max_seq_len=max_seq_len, adapter=cfg.adapter, batch_size=cfg.train.batch_size, progress=progress,
+        lora=cfg.lora, seed=cfg.train.seed,
     )  # fmt: skip
+    if cfg.lora.enabled and cfg.train.gradient_checkpointing:
+        handle.model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
     dataset = ExampleDataset(data.examples, cfg.train.loss_on)
     collator = AnchorCollator(pad_id=pad_id_of(tokenizer), pack=cfg.data.packing, max_len=max_seq_len)
-    return PreparedRun(model, tokenizer, dataset, collator, handle, max_seq_len, info)
+    return PreparedRun(handle.model, tokenizer, dataset, collator, handle, max_seq_len, info)
 
 
 @contextlib.contextmanager
@@ -329,7 +342,13 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
             trainer.train()
     finally:
         prepared.handle.remove()
-    if cfg.train.save:
+    if cfg.train.save and cfg.lora.enabled:
+        if trainer.is_world_process_zero():
+            from rpb.lora import save_lora
+
+            save_lora(trainer.model, out, cfg.lora.merge)
+            prepared.tokenizer.save_pretrained(out)
+    elif cfg.train.save:
         trainer.save_model(str(out))
         if trainer.is_world_process_zero():
             prepared.tokenizer.save_pretrained(out)

@@ -28,9 +28,9 @@ from rpb.integrations.trl import SFTConfig, SFTTrainer, prepare
 from rpb.models import load_tokenizer
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import ARCHITECTURES
+from tests.hand_routing import hand_select, token_bias
 
 ARCHS = ("moonlight", "qwen3_moe")
-EPS, C = 0.05, 5.0
 STEPS = 2
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,23 +88,6 @@ def weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def hand_bias(pi_E: torch.Tensor) -> torch.Tensor:
-    """Eq. 3: b = log q - mean log q, q = clamp(pi, eps/E, C/E) renormalised."""
-    E = pi_E.numel()
-    q = pi_E.double().clamp(EPS / E, C / E)
-    log_q = (q / q.sum()).log()
-    return (log_q - log_q.mean()).float()
-
-
-def hand_select(arch: str, router, z_TE: torch.Tensor, bias_TE: torch.Tensor) -> list[frozenset]:
-    k = ARCHITECTURES[arch][1]["num_experts_per_tok"]
-    if arch == "qwen3_moe":
-        choice_TE = torch.softmax((z_TE + bias_TE).float(), dim=-1)
-    else:  # DeepSeek-V3, one group: sigmoid plus the expert-correction bias
-        choice_TE = torch.sigmoid((z_TE + bias_TE).float()) + router.e_score_correction_bias
-    return [frozenset(r) for r in choice_TE.topk(k, dim=-1).indices.tolist()]
-
-
 def routers(model) -> list[torch.nn.Module]:
     return [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
 
@@ -145,18 +128,15 @@ def token_keys(batch: dict) -> list[tuple[int, int]]:
 
 def check_against_hand(arch, trainer, seen, prior_path, beta):
     pi = load_artifact(prior_path).prior_qa
+    k = ARCHITECTURES[arch][1]["num_experts_per_tok"]
     moe = routers(trainer.model)
     for batch in seen:
         sample_T, span_T = batch["sample"].reshape(-1), batch["span"].reshape(-1)
-        content_T = (sample_T >= 0) & (span_T >= 0)
-        assert len(batch["routers"]) == len(moe) and content_T.any()
+        assert len(batch["routers"]) == len(moe) and ((sample_T >= 0) & (span_T >= 0)).any()
         for layer, (z_TE, chosen) in enumerate(batch["routers"]):
-            E = z_TE.shape[-1]
-            bias_TE = torch.stack([
-                beta * hand_bias(pi[s, p, layer]) if c else torch.zeros(E)
-                for s, p, c in zip(sample_T.tolist(), span_T.tolist(), content_T.tolist(), strict=True)
-            ])  # fmt: skip
-            assert chosen == hand_select(arch, moe[layer], z_TE, bias_TE), f"{arch} layer {layer}"
+            expert_bias = getattr(moe[layer], "e_score_correction_bias", None)
+            bias_TE = token_bias(pi, layer, sample_T, span_T, beta)
+            assert chosen == hand_select(z_TE, bias_TE, k, expert_bias), f"{arch} layer {layer}"
 
 
 # ---- beta 0 is TRL's own SFTTrainer, bit for bit ---------------------------------------------
@@ -328,3 +308,27 @@ def test_the_shipped_trl_example_trains_and_saves(setup, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     a, b = weights(trained), weights(base)
     assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_peft_config_through_trl_moves_the_anchor_onto_the_router_that_runs(setup, tmp_path):
+    """TRL wraps the model itself; with the router under modules_to_save its copy runs, so the anchor
+    must follow: the copy trains, the original never runs, every step's selection is the hand one."""
+    from peft import LoraConfig
+
+    model_dir, data, prior = setup["qwen3_moe"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = load_tokenizer(str(model_dir))
+    handle, rows = prepare(model, tok, str(data), AnchorConfig(method="rpb", beta=1.0), str(prior))
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                      modules_to_save=["mlp.gate"])  # fmt: skip
+    trainer = SFTTrainer(model, SFTConfig(**config(tmp_path)), rows, anchor=handle, processing_class=tok,
+                         peft_config=lora)  # fmt: skip
+    assert trainer.anchor is not handle and trainer.anchor.model is trainer.model
+    copies = [m.modules_to_save["default"] for n, m in trainer.model.named_modules() if n.endswith("mlp.gate")]
+    before = [c.weight.detach().clone() for c in copies]
+    seen, hooks = record_routing(trainer)
+    train_recording(trainer)
+    [h.remove() for h in hooks]
+    trainer.anchor.remove()
+    check_against_hand("qwen3_moe", trainer, seen(), prior, beta=1.0)
+    assert all(not torch.equal(c.weight, b) for c, b in zip(copies, before, strict=True))

@@ -11,6 +11,7 @@ from rpb.adapters.hf import (
     register_adapter,
     router_output,
     router_spec,
+    running_router,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "router_output",
     "router_spec",
     "routers_sha256",
+    "running_router",
 ]

@@ -57,6 +57,10 @@ class RouterFacts:
     #: router attribute with the top-k, and config attribute with the same
     top_k_attr: str = "top_k"
     top_k_config: str = "num_experts_per_tok"
+    #: the router module's name within a decoder layer (PEFT's modules_to_save key)
+    router_module: str = "mlp.gate"
+    #: the routed experts' fused weights (transformers v5), which LoRA targets by parameter
+    expert_parameters: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 ADAPTERS: dict[str, RouterFacts] = {}
@@ -119,27 +123,61 @@ def get_adapter(model_type: str) -> RouterFacts:
 
 @dataclass(frozen=True)
 class MoELayer:
-    """One MoE layer of a model: its decoder-layer index and its router module."""
+    """One MoE layer of a model: its decoder-layer index and the router module that runs.
+
+    ``wrapper`` is what sits at the router's place when PEFT wrapped it (else None): its
+    parameters say whether the router can train (LoRA factors, a trainable copy).
+    """
 
     layer_index: int
     name: str
     router: nn.Module
+    wrapper: nn.Module | None = None
+
+    @property
+    def trainable(self) -> bool:
+        """Whether training can change this router's effective weight."""
+        return any(p.requires_grad for p in (self.wrapper or self.router).parameters())
+
+
+def running_router(module: nn.Module) -> nn.Module:
+    """The module that runs in a router's place under PEFT's wrappers (duck-typed: PEFT is optional).
+
+    A router LoRA targets by parameter is a ``ParamWrapper`` whose ``base_layer`` runs with
+    base + B·A swapped into its weight during the forward; one under ``modules_to_save`` is a
+    wrapper whose active adapter's *copy* runs, the original never does. Hooks must sit on
+    the module that runs.
+    """
+    while True:
+        copies = getattr(module, "modules_to_save", None)
+        if isinstance(copies, nn.ModuleDict) and isinstance(getattr(module, "original_module", None), nn.Module):
+            active = [a for a in getattr(module, "active_adapters", []) if a in copies]
+            if getattr(module, "disable_adapters", False) or not active:
+                module = module.original_module
+            else:
+                module = copies[active[0]]
+        elif isinstance(getattr(module, "base_layer", None), nn.Module):
+            module = module.base_layer
+        else:
+            return module
 
 
 def find_moe_layers(model: nn.Module, facts: RouterFacts) -> list[MoELayer]:
-    """Every router of ``model`` in layer order; fails loudly when none or a wrong class matches."""
+    """Every router of ``model`` in layer order, through PEFT's wrappers (``running_router``); fails
+    loudly when none or a wrong class matches."""
     pattern = re.compile(facts.router_path)
     found = []
-    for name, module in model.named_modules():
+    for name, outer in model.named_modules():
         match = pattern.search(name)
         if match is None:
             continue
+        module = running_router(outer)
         if type(module).__name__ != facts.router_class:
             raise UnsupportedModelError(
                 f"module {name!r} is a {type(module).__name__}, but the {facts.model_type!r} adapter expects "
                 f"{facts.router_class}; the model does not route like {facts.model_type}"
             )
-        found.append(MoELayer(int(match.group(1)), name, module))
+        found.append(MoELayer(int(match.group(1)), name, module, None if module is outer else outer))
     if not found:
         raise UnsupportedModelError(
             f"no router matching {facts.router_path!r} ({facts.router_class}) in the "

@@ -116,7 +116,7 @@ class AnchorHandle:
         if not self._terms:
             return torch.zeros((), device=self._device())
         term = self.config.coefficient() * torch.stack([self._terms[i] for i in sorted(self._terms)]).mean()
-        trainable = any(layer.moe.router.weight.requires_grad for layer in self.layers)
+        trainable = any(layer.moe.trainable for layer in self.layers)
         if torch.is_grad_enabled() and trainable and not term.requires_grad:
             raise RuntimeError(
                 f"{self.method.name}: the routers ran without gradients in this step, so the anchor's loss term "
@@ -219,6 +219,16 @@ class AnchorHandle:
         return out
 
     # ---- removal -------------------------------------------------------------------
+    def reinstall(self, model: nn.Module) -> AnchorHandle:
+        """The same anchor (method, prior, permutations) moved onto ``model``, e.g. the ``PeftModel``
+        that wrapped this one's model after installation (PEFT replaces or copies routers)."""
+        self.remove()
+        prior = self.prior
+        return install_anchor(
+            model, self.config, prior=prior.pi_NSLE if prior else None, sigma_LE=prior.sigma_LE if prior else None,
+            adapter=self.facts.model_type, record_stats=self.record_stats,
+        )  # fmt: skip
+
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -248,6 +258,13 @@ def install_anchor(
     method = get_method(config.method)
     facts = get_adapter(adapter or model.config.model_type)
     moe_layers = find_moe_layers(model, facts)
+    if method.loss is not None and not method.loss.from_forward and not any(m.trainable for m in moe_layers):
+        # a term on the router weights alone has no gradient to give when they cannot move
+        raise ArgumentError(
+            f"method {method.name!r} constrains the router weights, but no router of this model can train "
+            "(frozen, or outside the LoRA targets): it would add a constant. Train the routers (LoRA on the "
+            "router, or the router in full), or use kl-to-base / logit-l2, which act through the layers below"
+        )
     layers = []
     for m in moe_layers:
         bias = getattr(m.router, facts.expert_bias) if facts.expert_bias else None

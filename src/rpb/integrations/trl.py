@@ -134,6 +134,9 @@ def _problems(args, anchor: AnchorHandle, data_collator) -> list[str]:
 class SFTTrainer(AnchorTrainerMixin, trl.SFTTrainer):
     """TRL's ``SFTTrainer`` carrying an installed anchor (``anchor=handle``, see ``prepare``).
 
+    With ``peft_config`` (``pip install 'rpb[peft]'``) TRL wraps the model; the anchor then moves
+    onto the wrapped model (``self.anchor``: remove that one after training).
+
     ``train_dataset`` is rpb's labelled rows (see ``as_dataset``); ``loss_on`` picks the tokens of
     the language-model loss ("answer": assistant content and its turn end, as ``rpb train``).
     Everything else is TRL's, except what the module docstring lists.
@@ -173,6 +176,10 @@ class SFTTrainer(AnchorTrainerMixin, trl.SFTTrainer):
                              processing_class=processing_class, anchor=anchor, **kwargs)  # fmt: skip
         finally:
             args.packing, args.padding_free = saved
+        if self.model is not anchor.model:
+            # TRL wrapped the model with ``peft_config``: the routers that run are PEFT's (a copy under
+            # modules_to_save, a LoRA-wrapped weight), so the anchor moves onto the wrapped model
+            self.anchor = anchor = anchor.reinstall(self.model)
         on, reentrant = _checkpointing(self.args)
         if on and reentrant and anchor.method.loss is not None:  # TRL may have forced it (PEFT + ZeRO-3)
             raise ConfigError("SFTTrainer (after TRL's set-up)", _problems(self.args, anchor, None))
