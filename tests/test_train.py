@@ -228,3 +228,22 @@ def test_the_run_measures_its_own_displacement_before_the_first_step(setup, tmp_
     assert "moves" in caplog.text and "displacement_warn=0" in caplog.text
     quiet = train(setup, "moonlight", tmp_path / "off", "rpb", "train.calibrate_rows=0", steps=1)
     assert "calibrate/displacement" not in (quiet / "log.jsonl").read_text()
+
+
+def test_routing_figures_reach_tensorboard(setup, tmp_path):
+    """report_to=tensorboard: the event files hold the per-layer figures log.jsonl holds."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = train(setup, "qwen3_moe", tmp_path, "kl-to-base", "train.report_to=[tensorboard]", steps=2)
+    events = sorted(out.rglob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    logs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    logged = [r for r in logs if "moe/layer_1/load_cv" in r]
+    assert len(logged) == 2
+    for name in ("moe/layer_1/load_cv", "moe/mean/dead_experts", "moe/layer_2/base_topk_overlap_current_hidden",
+                 "moe/mean/anchor_loss"):  # fmt: skip
+        tag = next(t for t in tags if t.endswith(name))
+        assert [e.value for e in acc.Scalars(tag)] == pytest.approx([r[name] for r in logged], abs=1e-5)

@@ -1,5 +1,6 @@
 """Distributed training on CPU with gloo: DDP via ``rpb train`` under torchrun, and FSDP2 sharding."""
 
+import json
 import os
 import subprocess
 import sys
@@ -37,13 +38,22 @@ def test_two_processes_match_one(method, sharding, save_tiny, tmp_path):
     prior = tmp_path / "prior.safetensors"
     collect(str(model), data, prior, top_k=2, max_seq_len=192, progress=False)
     common = [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"anchor.method={method}", "anchor.lambda=0.1",
-              "train.max_steps=3", "train.lr=1e-3", "--no-progress"]  # fmt: skip
+              "train.max_steps=3", "train.lr=1e-3", "train.log_every=1", "--no-progress"]  # fmt: skip
     run([*TORCHRUN, "-m", "rpb", "train", f"output_dir={tmp_path / 'two'}", "train.batch_size=2", *common, *sharding])
     run([sys.executable, "-m", "rpb", "train", f"output_dir={tmp_path / 'one'}", "train.batch_size=4", *common])
     two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     base = load_file(Path(model) / "model.safetensors")
     assert not all(torch.equal(base[k], one[k]) for k in base)  # it trained
     assert max(float((two[k] - one[k]).abs().max()) for k in one) <= 1e-5
+    # the routing figures count both ranks' tokens: step 1 (identical weights) logs what one process logs
+    first = [next(json.loads(line) for line in (tmp_path / run_ / "log.jsonl").read_text().splitlines()
+                  if "loss" in json.loads(line)) for run_ in ("two", "one")]  # fmt: skip
+    figures = {k for k in first[1] if k.startswith("moe/")}
+    assert {"moe/layer_1/load_cv", "moe/layer_2/dead_experts", "moe/mean/bias_changed_fraction"} <= figures
+    if method == "router-l2":
+        assert "moe/layer_1/base_topk_overlap_current_hidden" in figures
+    assert figures == {k for k in first[0] if k.startswith("moe/")}
+    assert all(first[0][k] == pytest.approx(first[1][k], abs=1e-6) for k in figures), (first[0], first[1])
 
 
 @pytest.mark.parametrize("method", ["rpb", "kl-to-base"])

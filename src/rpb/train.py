@@ -24,6 +24,7 @@ from transformers.trainer_callback import PrinterCallback
 from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
 from rpb.anchors import AnchorConfig, AnchorHandle, RunFacts, get_method, install_anchor, verify_prior
 from rpb.anchors.controls import base_communities, layer_permutations
+from rpb.anchors.stats import reduce_across_ranks, routing_metrics
 from rpb.artifact import load_artifact
 from rpb.config import RunConfig
 from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, LabelledData, load_labelled
@@ -62,7 +63,7 @@ class AnchorTrainerMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         sample_BT, span_BT = self._token_keys(inputs)
-        self.anchor.record_stats = (self.state.global_step + 1) % self.args.logging_steps == 0
+        self.anchor.record_stats = True  # every step of the logging window counts (rpb.anchors.stats)
         with self.anchor.step(sample_BT, span_BT, inputs.get("attention_mask")):
             return super().training_step(model, inputs, num_items_in_batch)
 
@@ -94,10 +95,11 @@ class AnchorTrainerMixin:
             if self._anchor_terms:
                 logs["anchor_loss"] = sum(self._anchor_terms) / len(self._anchor_terms)
                 self._anchor_terms = []
-            for pos, s in sorted(self.anchor.reset_stats().items()):
-                layer = self.anchor.layers[pos].moe.layer_index
-                logs[f"routing/layer{layer}/utilization_entropy_bits"] = round(s.utilization_entropy_bits, 5)
-                logs[f"routing/layer{layer}/bias_changed_fraction"] = round(s.changed_fraction, 5)
+            # every rank calls log() (the Trainer gathers the loss first), so the counts can be summed here
+            stats = reduce_across_ranks(self.anchor.reset_stats())
+            index = {pos: layer.moe.layer_index for pos, layer in enumerate(self.anchor.layers)}
+            method = self.anchor.method
+            logs.update(routing_metrics(stats, index, loss=method.loss is not None, base=method.needs_base_router))
         super().log(logs, *args, **kwargs)
 
 

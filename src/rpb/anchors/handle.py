@@ -38,8 +38,8 @@ from rpb.anchors.config import AnchorConfig
 from rpb.anchors.context import TokenContext
 from rpb.anchors.methods import Method, RouterState, get_method
 from rpb.anchors.prior_routing import PriorRouting
+from rpb.anchors.stats import LayerStats
 from rpb.errors import ArgumentError
-from rpb.retention.metrics import entropy_bits
 from rpb.routing import RouterSpec, combine_weights, select_with_groups
 
 
@@ -49,25 +49,6 @@ class _Layer:
     spec: RouterSpec
     expert_bias_E: torch.Tensor | None
     base_weight_EH: torch.Tensor | None = None  # frozen float32 copy, kept unsharded
-
-
-@dataclass
-class LayerStats:
-    """Per-layer routing statistics of the last recorded step."""
-
-    tokens: int = 0  # non-padding tokens (the load's denominator)
-    content: int = 0  # Q / A tokens: the only ones a prior can move
-    changed: int = 0  # content tokens whose selected set differs from the native one
-    load_E: torch.Tensor | None = None
-
-    @property
-    def changed_fraction(self) -> float:
-        """Of the tokens the bias can reach (content), the fraction whose expert set it changed."""
-        return self.changed / max(self.content, 1)
-
-    @property
-    def utilization_entropy_bits(self) -> float:
-        return float(entropy_bits(self.load_E))
 
 
 @dataclass
@@ -150,6 +131,7 @@ class AnchorHandle:
             first_call = ("recorded", pos) not in ctx.cache
             ctx.cache[("recorded", pos)] = True
             valid_T = ctx.valid_T.to(logits_TE.device)
+            term = None
             if self.method.loss is not None:
                 # computed on every call, so a recomputed forward saves exactly what the first one did
                 # (non-reentrant checkpointing checks that); only the first call's term is kept
@@ -160,7 +142,7 @@ class AnchorHandle:
             if self.prior is not None:
                 gates_TK, ids_TK = self._prior_selection(pos, logits_TE, ctx, native_gates_TK, native_ids_TK)
             if first_call and self.record_stats:
-                self._record(pos, ids_TK, native_ids_TK, valid_T, ctx.content_T.to(valid_T.device))
+                self._record(pos, ids_TK, native_ids_TK, valid_T, ctx.content_T.to(valid_T.device), term, args[0])
             if self.prior is None:
                 return None
             return logits_TE, gates_TK, ids_TK
@@ -203,15 +185,28 @@ class AnchorHandle:
         return self.method.loss.term(state)
 
     @torch.no_grad()
-    def _record(self, pos: int, ids_TK, native_ids_TK, valid_T, content_T) -> None:
-        E = self.layers[pos].spec.num_experts
+    def _record(self, pos: int, ids_TK, native_ids_TK, valid_T, content_T, term, hidden) -> None:
+        """Add one step's counts for MoE layer ``pos`` (``rpb.anchors.stats``)."""
+        layer = self.layers[pos]
+        E = layer.spec.num_experts
+        s = self.stats.get(pos) or LayerStats(load_E=torch.zeros(E), top_k=layer.spec.top_k)
         changed_T = (ids_TK.sort(dim=-1).values != native_ids_TK.sort(dim=-1).values).any(dim=-1) & content_T
-        load_E = torch.bincount(ids_TK[valid_T].reshape(-1), minlength=E).float().cpu()
-        prev = self.stats.get(pos) or LayerStats(load_E=torch.zeros(E))
-        self.stats[pos] = LayerStats(
-            prev.tokens + int(valid_T.sum()), prev.content + int(content_T.sum()),
-            prev.changed + int(changed_T.sum()), prev.load_E + load_E,
-        )  # fmt: skip
+        s.tokens += int(valid_T.sum())
+        s.content += int(content_T.sum())
+        s.changed += int(changed_T.sum())
+        s.load_E += torch.bincount(ids_TK[valid_T].reshape(-1), minlength=E).float().cpu()
+        if term is not None:
+            s.term_sum += float(self.config.coefficient() * term.detach())
+            s.term_steps += 1
+        if layer.base_weight_EH is not None:
+            # the current router's own choice against the base router's, both on the current hidden states
+            hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()
+            base_TE = nn.functional.linear(hidden_TH, layer.base_weight_EH)
+            base_ids_TK, _ = select_with_groups(base_TE, layer.spec, expert_bias_E=layer.expert_bias_E)
+            shared_T = (native_ids_TK[:, :, None] == base_ids_TK[:, None, :]).any(-1).sum(-1)
+            s.overlap += int(shared_T[valid_T].sum())
+            s.overlap_tokens += int(valid_T.sum())
+        self.stats[pos] = s
 
     def reset_stats(self) -> dict:
         """Return the statistics accumulated since the last reset, and start afresh."""

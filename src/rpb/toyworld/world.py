@@ -206,7 +206,7 @@ def mechanism(base: Path, ckpt: Path, prior: Path, data_jsonl: Path, rows: int =
     """What the cell's training did to the base's routing, beside its scores: from its ``log.jsonl``,
     the displacement of content tokens its bias would cause on the base before the first step
     (``calibrate/displacement``; None without a prior) and the mean fraction it changed during
-    training (``bias_changed_fraction``, over logged steps and layers); after training, on a seeded
+    training (``moe/layer_*/bias_changed_fraction``, over logging windows and layers); after training, on a seeded
     sample of training rows, the overlap of the trained routing with the base's own sets and with the
     span prior's top-k (``rpb.calibrate.agreement``)."""
     from rpb.calibrate.agreement import training_rows_agreement
@@ -215,7 +215,7 @@ def mechanism(base: Path, ckpt: Path, prior: Path, data_jsonl: Path, rows: int =
     for line in (ckpt / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
         start = record.get("calibrate/displacement", start)
-        changed += [v for k, v in record.items() if k.endswith("/bias_changed_fraction")]
+        changed += [v for k, v in record.items() if k.startswith("moe/layer_") and k.endswith("/bias_changed_fraction")]
     agreement = training_rows_agreement(base, ckpt, prior, data_jsonl, rows=rows)
     return {
         "start_displacement": start,
