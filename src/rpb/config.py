@@ -56,6 +56,12 @@ class TrainSection:
     #: twice gives the same weights bit for bit. On CPU the MoE backward otherwise accumulates
     #: in thread order; on GPU some ops then raise instead of running nondeterministically
     deterministic: bool = False
+    #: save a resumable checkpoint (weights, optimizer, scheduler, RNG, data position) every this many
+    #: steps into output_dir/checkpoint-<step>/; 0: none (the final model is saved either way)
+    save_every: int = 0
+    #: "auto": resume from the newest complete checkpoint in output_dir (none: start fresh); or a
+    #: checkpoint directory; None: start fresh. The set-up must be the checkpoint's (rpb.checkpoints)
+    resume_from_checkpoint: str | None = None
 
 
 @dataclass
@@ -214,6 +220,11 @@ def validate(cfg: RunConfig) -> list[str]:
     for key in ("max_steps", "batch_size", "grad_accum", "log_every"):
         if getattr(t, key) < 1:
             out.append(f"train.{key}: must be >= 1, got {getattr(t, key)}")
+    if t.save_every < 0:
+        out.append(f"train.save_every: must be >= 0 (0: no checkpoints), got {t.save_every}")
+    rc = t.resume_from_checkpoint
+    if rc not in (None, "auto") and not (Path(rc) / "rpb_checkpoint.json").is_file():
+        out.append(f"train.resume_from_checkpoint: {rc} is not a complete rpb checkpoint (see auto)")
     if t.calibrate_rows < 0:
         out.append(f"train.calibrate_rows: must be >= 0 (0: off), got {t.calibrate_rows}")
     if t.max_seq_len is not None and t.max_seq_len < 2:

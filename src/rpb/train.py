@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_callback import PrinterCallback
 
 from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
@@ -26,8 +26,9 @@ from rpb.anchors import AnchorConfig, AnchorHandle, RunFacts, get_method, instal
 from rpb.anchors.controls import base_communities, layer_permutations
 from rpb.anchors.stats import reduce_across_ranks, routing_metrics
 from rpb.artifact import load_artifact
+from rpb.checkpoints import CompleteMarker, resolve_resume, run_record, trim_log
 from rpb.config import RunConfig
-from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, LabelledData, load_labelled
+from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, LabelledData, file_sha256, load_labelled
 from rpb.errors import ArgumentError
 from rpb.fileio import write_text_atomic
 from rpb.lora import LoraSection
@@ -89,6 +90,20 @@ class AnchorTrainerMixin:
                 )
             loss = loss + (term / self.current_gradient_accumulation_steps if scaled else term)
         return (loss, outputs) if return_outputs else loss
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        model = model or self.model
+        ckpt = Path(resume_from_checkpoint)
+        saved_whole = any((ckpt / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json"))
+        if self.is_fsdp_enabled or not isinstance(model, PreTrainedModel) or not saved_whole:
+            return
+        # transformers (5.24) saves fused MoE experts converted to per-expert tensors, and the Trainer
+        # loads the file back without converting: the experts would silently keep their pre-resume
+        # weights. from_pretrained converts; its weights replace the partial load
+        saved = type(model).from_pretrained(ckpt, dtype=model.dtype)
+        model.load_state_dict(saved.state_dict(), strict=True)
+        del saved
 
     def log(self, logs: dict, *args, **kwargs):
         if "loss" in logs:
@@ -178,7 +193,7 @@ def attach_anchor(
         # a copy: the caller's configuration stays as given (it is recorded in rpb_run.json)
         anchor_cfg = dataclasses.replace(anchor_cfg, router_transform=meta["router_transform"])
 
-    info: dict = {"method": method.name, "rows": data.num_rows, "max_seq_len": max_seq_len,
+    info: dict = {"method": method.name, "rows": data.num_rows, "max_seq_len": max_seq_len, "data_sha256": data.sha256,
                   "router_transform": anchor_cfg.router_transform}  # fmt: skip
     sigma_LE = None
     if method.shuffle is not None:
@@ -275,7 +290,8 @@ def training_arguments(cfg: RunConfig, progress: bool = True) -> TrainingArgumen
         data_seed=cfg.data.seed,
         logging_steps=t.log_every,
         report_to=t.report_to,
-        save_strategy="no",
+        save_strategy="steps" if t.save_every else "no",
+        save_steps=t.save_every or 500,
         remove_unused_columns=False,
         **checkpointing,
         fsdp=t.fsdp,
@@ -327,21 +343,31 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
     prepared = prepare_run(cfg, progress and callbacks is None)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # the base's routers as loaded, before any training or resumed weights touch them
+    record = run_record(
+        cfg, base_routers_sha256=routers_sha256([lay.moe for lay in prepared.handle.layers], prepared.handle.facts),
+        data_sha256=prepared.info["data_sha256"], prior_sha256=file_sha256(cfg.prior) if cfg.prior else None,
+    )  # fmt: skip
+    markers = [CompleteMarker(record)] if cfg.train.save_every else []
     trainer = AnchorTrainer(
         model=prepared.model,
         args=training_arguments(cfg, progress and callbacks is None),
         train_dataset=prepared.dataset,
         data_collator=prepared.collator,
         anchor=prepared.handle,
-        callbacks=[JsonlLog(out / "log.jsonl"), *(callbacks or [])],
+        # the marker before the caller's callbacks: a checkpoint is complete before anyone else hears of it
+        callbacks=[JsonlLog(out / "log.jsonl"), *markers, *(callbacks or [])],
     )
     if callbacks is not None:
         trainer.remove_callback(PrinterCallback)
+    resume = resolve_resume(out, cfg.train.resume_from_checkpoint, record)
     if trainer.is_world_process_zero():
+        if resume:
+            trim_log(out / "log.jsonl", resume)
         check_displacement(cfg, prepared, out / "log.jsonl")
     try:
         with deterministic_algorithms(cfg.train.deterministic):
-            trainer.train()
+            trainer.train(resume_from_checkpoint=resume)
     finally:
         prepared.handle.remove()
     if cfg.train.save and cfg.lora.enabled:

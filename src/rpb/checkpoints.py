@@ -1,0 +1,110 @@
+"""Checkpoints that survive preemption: a marker written last, and a resume that checks the set-up.
+
+``rpb train`` with ``train.save_every: N`` saves the Trainer's checkpoint (weights, optimizer,
+scheduler, RNG states, data position) every N steps into ``output_dir/checkpoint-<step>/``;
+``CompleteMarker`` then writes ``rpb_checkpoint.json`` into it, atomically and last, so a
+checkpoint a kill interrupted has no marker and is never resumed from.
+
+``train.resume_from_checkpoint: auto`` takes the newest checkpoint with a marker (none: a fresh
+start); a path must hold one. The marker records what the run was (the base model's routers, the
+prior file, the data file, the anchor and LoRA settings); a resume where any of them differ is
+refused, naming the field. The loss anchors' frozen base router and the ``within-*`` controls'
+communities come from the base model ``rpb train`` loads (``model``, which the prior's router
+fingerprint pins), never from the weights being resumed: the anchor is installed on the base
+before the Trainer loads the checkpoint into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from rpb.errors import RpbError
+from rpb.fileio import write_json_atomic, write_text_atomic
+
+MARKER = "rpb_checkpoint.json"
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
+
+
+class ResumeError(RpbError):
+    """The checkpoint to resume from is incomplete, missing, or belongs to another set-up."""
+
+
+def run_record(cfg, *, base_routers_sha256: str, data_sha256: str, prior_sha256: str | None) -> dict:
+    """What a resumed run must share with the interrupted one."""
+    return {
+        "base": {"model": cfg.model, "routers_sha256": base_routers_sha256},
+        "prior": {"path": cfg.prior, "sha256": prior_sha256},
+        "data": {"path": cfg.data_jsonl, "sha256": data_sha256},
+        "method": dataclasses.asdict(cfg.anchor),
+        "lora": dataclasses.asdict(cfg.lora),
+    }
+
+
+class CompleteMarker(TrainerCallback):
+    """After the Trainer has written a checkpoint: its marker, last (main process)."""
+
+    def __init__(self, record: dict):
+        self.record = record
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            where = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            write_json_atomic(where / MARKER, {"step": state.global_step, **self.record})
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The checkpoints a kill did not interrupt, oldest first."""
+    found = []
+    for d in Path(output_dir).glob("checkpoint-*"):
+        m = _CHECKPOINT.search(d.name)
+        if m and d.is_dir() and (d / MARKER).is_file():
+            found.append((int(m.group(1)), d))
+    return [d for _, d in sorted(found)]
+
+
+def resolve_resume(output_dir: str | Path, spec: str | None, record: dict) -> str | None:
+    """The checkpoint to resume from (None: start fresh), after checking its record against ``record``."""
+    if not spec:
+        return None
+    if spec == "auto":
+        done = complete_checkpoints(output_dir)
+        if not done:
+            return None
+        path = done[-1]
+    else:
+        path = Path(spec)
+        if not (path / MARKER).is_file():
+            raise ResumeError(
+                f"train.resume_from_checkpoint: {path} is not a complete rpb checkpoint (no {MARKER}: missing, or "
+                "interrupted while it was written); use `auto` to take the newest complete one"
+            )
+    saved = json.loads((path / MARKER).read_text())
+    mismatches = [
+        (f"{section}.{key}", saved.get(section, {}).get(key), value)
+        for section in ("base", "prior", "data", "method", "lora")
+        for key, value in record[section].items()
+        # paths and model ids may move; what the files and weights are may not
+        if key not in ("path", "model") and saved.get(section, {}).get(key) != value
+    ]
+    if mismatches:
+        lines = "\n".join(f"  {name}: the checkpoint's run has {old!r}, this run has {new!r}"
+                          for name, old, new in mismatches)  # fmt: skip
+        raise ResumeError(
+            f"train.resume_from_checkpoint: {path} was written by another set-up ({len(mismatches)} field(s)):\n"
+            f"{lines}\nresume with the run's own base, prior, data and anchor, or start a new output_dir"
+        )
+    return str(path)
+
+
+def trim_log(log_path: Path, checkpoint: str) -> None:
+    """Drop the log records the interrupted run wrote after ``checkpoint``: the resumed run writes them anew."""
+    if not log_path.is_file():
+        return
+    step = int(_CHECKPOINT.search(Path(checkpoint).name).group(1))
+    kept = [line for line in log_path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+    write_text_atomic(log_path, "".join(line + "\n" for line in kept))

@@ -1,0 +1,29 @@
+"""``rpb train`` that dies by SIGKILL right after its checkpoint at step K is complete, leaving a
+half-written checkpoint K+1 behind (as a kill during the next save would):
+``python tests/resume_worker.py K override ...``."""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from rpb.config import load_config
+from rpb.train import run_training
+
+
+class Die(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            torn = Path(args.output_dir) / f"checkpoint-{self.step + 1}"
+            torn.mkdir()
+            (torn / "model.safetensors").write_bytes(b"\0" * 100)  # a save cut short: no marker
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    run_training(load_config(None, sys.argv[2:]), progress=False, callbacks=[Die(int(sys.argv[1]))])

@@ -1,0 +1,110 @@
+"""Preemption: a run killed with SIGKILL after a checkpoint resumes to the uninterrupted run's weights,
+bit for bit; torn checkpoints are never picked; a changed set-up is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from rpb.checkpoints import MARKER, ResumeError, complete_checkpoints
+from rpb.collect import collect
+from rpb.config import load_config
+from rpb.testing.data import conversations, write_jsonl
+from rpb.train import run_training
+
+WORKER = Path(__file__).with_name("resume_worker.py")
+# one intra-op thread here and in the killed process: the same kernels, so the same floating-point sums
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, save_tiny):
+    tmp = tmp_path_factory.mktemp("resume")
+    data = write_jsonl(conversations(16, seed=9), tmp / "train.jsonl")
+    model = save_tiny("qwen3_moe")
+    prior = tmp / "prior.safetensors"
+    collect(str(model), data, prior, top_k=2, max_seq_len=192, progress=False)
+    return model, data, prior
+
+
+def overrides(setup, out, method, *extra):
+    model, data, prior = setup
+    return [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"output_dir={out}", f"anchor.method={method}",
+            "anchor.lambda=0.1", "train.max_steps=3", "train.batch_size=4", "train.lr=1e-2", "train.log_every=1",
+            "train.deterministic=true", "train.calibrate_rows=0", "train.save_every=1", *extra]  # fmt: skip
+
+
+def train(args):
+    return run_training(load_config(None, args), progress=False)
+
+
+@pytest.mark.parametrize("method", ["rpb", "kl-to-base", "within-soft"])
+def test_killed_and_resumed_equals_uninterrupted(setup, method, tmp_path):
+    whole = load_file(train(overrides(setup, tmp_path / "whole", method)) / "model.safetensors")
+
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(WORKER), "1", *overrides(setup, out, method)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == -9, done.stderr[-3000:]
+    assert [d.name for d in complete_checkpoints(out)] == ["checkpoint-1"]
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-2" / MARKER).exists()  # torn, left as it is
+
+    resumed = load_file(train(overrides(setup, out, method, "train.resume_from_checkpoint=auto")) / "model.safetensors")
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole), method
+    steps = [r["step"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3]  # the killed run's later records were dropped, the resumed run's written once
+
+
+def test_auto_without_a_complete_checkpoint_starts_fresh(setup, tmp_path):
+    out = tmp_path / "fresh"
+    (out / "checkpoint-5").mkdir(parents=True)  # torn: no marker
+    train(overrides(setup, out, "rpb", "train.max_steps=1", "train.resume_from_checkpoint=auto"))
+    assert [d.name for d in complete_checkpoints(out)] == ["checkpoint-1"]
+
+
+def test_a_changed_setup_is_refused_by_name(setup, tmp_path, save_tiny):
+    prior = setup[2]
+    out = tmp_path / "run"
+    train(overrides(setup, out, "kl-to-base", "train.max_steps=1"))
+    resume = "train.resume_from_checkpoint=auto"
+
+    with pytest.raises(ResumeError, match=r"method\.method: the checkpoint's run has 'kl-to-base', this run has 'rpb'"):
+        train(overrides(setup, out, "rpb", resume))
+
+    # the same rows and metadata, one value of pi changed: a prior the checks before training accept
+    other_prior = tmp_path / "other.safetensors"
+    with safe_open(str(prior), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118
+    tensors["prior_qa"][0, 0, 0, 0] += 1e-3
+    save_file(tensors, str(other_prior), metadata=meta)
+    with pytest.raises(ResumeError, match=r"\(1 field\(s\)\):\n  prior\.sha256"):
+        train([*overrides(setup, out, "kl-to-base", resume), f"prior={other_prior}"])
+
+    # without a prior (kl-to-base needs none) the resume record is all that checks the data and the base
+    no_prior = ["prior=", "train.max_seq_len=192"]
+    bare = tmp_path / "bare"
+    train([*overrides(setup, bare, "kl-to-base", "train.max_steps=1"), *no_prior])
+    other_data = write_jsonl(conversations(16, seed=10), tmp_path / "other.jsonl")
+    other_base = save_tiny("qwen3_moe", seed=1)
+    with pytest.raises(ResumeError, match=r"\(1 field\(s\)\):\n  data\.sha256"):
+        train([*overrides(setup, bare, "kl-to-base", resume), *no_prior, f"data_jsonl={other_data}"])
+    with pytest.raises(ResumeError, match=r"\(1 field\(s\)\):\n  base\.routers_sha256"):
+        train([*overrides(setup, bare, "kl-to-base", resume), *no_prior, f"model={other_base}"])
+
+
+def test_a_path_without_a_marker_is_refused(setup, tmp_path):
+    torn = tmp_path / "checkpoint-3"
+    torn.mkdir()
+    with pytest.raises(Exception, match="not a complete rpb checkpoint"):
+        train(overrides(setup, tmp_path, "rpb", f"train.resume_from_checkpoint={torn}"))
+    shutil.rmtree(torn)
