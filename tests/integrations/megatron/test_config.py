@@ -156,12 +156,16 @@ def test_anchored_loss_adds_the_term_once_per_micro_batch():
 
     class Handle:
         loss_shares = 2  # two sequence-parallel ranks, each returning half the term
+        method = type("Method", (), {"loss": object()})
 
         def __init__(self):
             self.term = torch.tensor(0.25, requires_grad=True)
 
         def loss(self):
             return self.term
+
+        def report(self):  # the routing figures ride along
+            return {"moe/mean/bias_changed_fraction": torch.tensor([3.0, 10.0])}
 
     def bridge_loss(output_tensor):
         losses, mask = output_tensor, torch.tensor([1.0, 1.0, 0.0, 1.0])
@@ -174,6 +178,7 @@ def test_anchored_loss_adds_the_term_once_per_micro_batch():
     loss.backward()
     assert float(handle.term.grad) == 3.0  # after Megatron's division by num_tokens: d/dterm = 1
     assert report["lm loss"].tolist() == [6.0, 3.0] and report[ANCHOR_LOSS_KEY].tolist() == [0.5, 1.0]
+    assert report["moe/mean/bias_changed_fraction"].tolist() == [3.0, 10.0]
     # a micro-batch without targets still adds its routers' term
     empty, _, _ = anchored_loss(lambda o: (o.sum() * 0, torch.tensor(0, dtype=torch.int), {}), Handle(), output)
     assert float(empty.detach()) == pytest.approx(0.25)

@@ -30,6 +30,7 @@ from tests.integrations.megatron.routers import (
     S,
     buffers_on_cpu,
     build_routers,
+    make_prior,
 )
 
 # ----------------------------------------------------------------------------- loss-based anchors
@@ -345,3 +346,35 @@ def test_a_method_registered_in_the_table_runs_on_megatron_routers():
         handle.remove()
     assert float(term) == pytest.approx(expected, rel=1e-5)
     assert term.requires_grad
+
+
+@pytest.mark.parametrize("method", ["rpb", "kl-to-base"])
+def test_routing_figures_for_bridge_are_the_counts_by_hand(method):
+    """report(): [numerator, denominator] per layer with the HF path's names, counted by hand here."""
+    case = CASES["softmax"]
+    routers, hidden = build_routers(case), make_hidden()
+    prior = make_prior()
+    cfg = AnchorConfig(method="rpb", beta=2.0) if method == "rpb" else LOSS_CONFIGS["kl-to-base"]
+    handle = install_megatron_anchor(routers, cfg, prior=prior if method == "rpb" else None)
+    bases = [(r.weight.detach().clone(), None if r.bias is None else r.bias.detach().clone()) for r in routers]
+    valid = valid_rows(SAMPLE_BS)
+    content = valid & (SPAN_BS.T.reshape(-1) >= 0)
+    with drifted(routers), handle.step(SAMPLE_BS, SPAN_BS):
+        outputs = forward(routers, hidden)
+        report = handle.report()
+        drift = [torch.nn.functional.linear(hidden, r.weight, r.bias).reshape(-1, E).topk(case.topk, -1).indices
+                 for r in routers]  # fmt: skip
+    for r, out, now, base in zip(routers, outputs, drift, bases, strict=True):
+        name = f"moe/layer_{r.layer_number - 1}"
+        chosen = [frozenset(torch.nonzero(row).flatten().tolist()) for row in out[1]]
+        if method == "rpb":
+            own = [frozenset(x) for x in now.tolist()]
+            changed = sum(1 for t in range(len(own)) if content[t] and chosen[t] != own[t])
+            assert report[f"{name}/bias_changed_fraction"].tolist() == [changed, int(content.sum())]
+            assert changed > 0
+        else:
+            then = torch.nn.functional.linear(hidden, *base).reshape(-1, E).topk(case.topk, -1).indices
+            shared = sum(len(set(a) & set(b)) for a, b, v in zip(now.tolist(), then.tolist(), valid, strict=True) if v)
+            assert report[f"{name}/base_topk_overlap_current_hidden"].tolist() == [shared, int(valid.sum()) * case.topk]
+            assert f"{name}/anchor_loss" in report and "moe/mean/anchor_loss" in report
+    handle.remove()

@@ -107,9 +107,13 @@ def anchored_loss(loss_fn, handle, output_tensor):
     a per-micro-batch mean like the HF path's, enters as ``term * num_tokens``: it is added
     once per micro-batch, as Megatron adds its own auxiliary losses. The report gets the whole
     term (all TP ranks' shares) as ``[value, 1]``, which Bridge averages over micro-batches and
-    data-parallel ranks.
+    data-parallel ranks, and the routing figures (``handle.report()``: ``moe/layer_{i}/...``,
+    ``moe/mean/...`` as ``[numerator, denominator]``), which Bridge reduces the same way.
     """
     loss, num_tokens, report = loss_fn(output_tensor)
+    report = {**report, **{k: v.to(loss.device) for k, v in handle.report().items()}}
+    if handle.method.loss is None:
+        return loss, num_tokens, report
     term = handle.loss()
     # a micro-batch without targets still carries its routers' term (Megatron clamps the count too)
     loss = loss + term * num_tokens.clamp(min=1).to(term.device)
@@ -243,9 +247,10 @@ class AnchoredForwardStep:
         if self.handle is None:
             self.handle = self.prepared.install(model, first_step=state.train_state.step == 0)
         output, loss_fn = forward_step(state, ContextIterator(data_iterator, self.handle), model, return_schedule_plan)
-        if return_schedule_plan or self.handle.method.loss is None:
+        if return_schedule_plan:
             return output, loss_fn
-        # Megatron calls the loss function right after this forward, while its context is set
+        # Megatron calls the loss function right after this forward, while its context is set (every
+        # method: the routing figures ride along in the report)
         return output, functools.partial(anchored_loss, loss_fn, self.handle)
 
 

@@ -85,6 +85,7 @@ from rpb.anchors.context import TokenContext
 from rpb.anchors.methods import Method, RouterState
 from rpb.anchors.prior_routing import PriorRouting
 from rpb.errors import RpbError
+from rpb.integrations.megatron.figures import RoutingFigures
 from rpb.integrations.megatron.layout import router_rows
 from rpb.prior import STRUCTURAL
 
@@ -189,7 +190,7 @@ class MegatronRouter:
 
 
 @dataclass
-class MegatronAnchorHandle:
+class MegatronAnchorHandle(RoutingFigures):
     config: AnchorConfig
     method: Method
     routers: list[MegatronRouter]
@@ -376,8 +377,9 @@ class MegatronAnchorHandle:
             if self.method.loss is not None:
                 self._record_loss(r, logits, hidden, padding_mask, ctx)
             if self.prior is None:
+                self._record_counts(r, logits, hidden, padding_mask, ctx, None, None)
                 return original(logits, *args, **kwargs)
-            ids_TK = self._selection(r, logits, padding_mask, ctx)
+            ids_TK = self._selection(r, logits, padding_mask, ctx, hidden)
             r.module.router_replay = _ForcedTopK(ids_TK)
             try:
                 return original(logits, *args, **kwargs)
@@ -386,7 +388,7 @@ class MegatronAnchorHandle:
 
         return routing
 
-    def _selection(self, r: MegatronRouter, logits, padding_mask, ctx: TokenContext) -> torch.Tensor:
+    def _selection(self, r: MegatronRouter, logits, padding_mask, ctx: TokenContext, hidden=None) -> torch.Tensor:
         logits_TE = logits.detach().reshape(-1, logits.shape[-1])
         self._check_rows(r, logits_TE.shape[0], ctx)
         tables = self.prior.tables(ctx, logits_TE.device)
@@ -402,7 +404,12 @@ class MegatronAnchorHandle:
         else:
             chosen_TK = tables.topk_PLK[tables.pair_T, r.pos]
         # structural and padding tokens keep exactly the native choice (and so the native weights)
-        return torch.where(content_T[:, None], chosen_TK, native_TK)
+        chosen_TK = torch.where(content_T[:, None], chosen_TK, native_TK)
+        self._record_counts(r, logits, hidden, padding_mask, ctx, chosen_TK, native_TK)
+        return chosen_TK
+
+    def _native_topk(self, router: nn.Module, logits_TE: torch.Tensor) -> torch.Tensor:
+        return megatron_select(router, logits_TE)
 
     # ---- removal ------------------------------------------------------------------
     def remove(self) -> None:
