@@ -99,12 +99,15 @@ def _retention(args) -> int:
         args.base, args.data_jsonl, args.out, post=args.post, max_rows=args.max_rows, seed=args.seed,
         resolution=args.resolution, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
         tokenizer=args.tokenizer, adapter=args.adapter, dtype=args.dtype, device=args.device,
-        progress=not args.no_progress,
+        progress=not args.no_progress, transitions=args.transitions,
     )  # fmt: skip
     m = report["mean"]
     if args.post:
         print(f"mean over {len(report['layers'])} MoE layers: TVD {m['tvd']:.4f}, JSD {m['jsd']:.4f} bits, "
               f"top-k overlap {m['topk_overlap']:.4f}, NMI {m['nmi']:.4f}")  # fmt: skip
+        if args.transitions:
+            print(f"transitions: NMI {m['transition_nmi']:.4f}, TVD {m['transition_tvd']:.4f}, "
+                  f"row JSD {m['transition_row_jsd']:.4f} bits")  # fmt: skip
     else:
         print(f"mean utilization entropy {m['entropy_base_bits']:.4f} bits, modularity {m['modularity_base']:.4f}")
     print(f"wrote {args.out}/report.json, report.md and plots")
@@ -246,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--adapter")
     r.add_argument("--dtype", default="float32", choices=list(DTYPES))
     r.add_argument("--device", default="auto")
+    r.add_argument("--transitions", action="store_true",
+                   help="also the directed expert transitions of answer tokens and their communities")  # fmt: skip
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=_retention)
 

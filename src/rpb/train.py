@@ -23,7 +23,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
 from rpb.anchors import AnchorConfig, AnchorHandle, RunFacts, get_method, install_anchor, verify_prior
-from rpb.anchors.controls import base_communities, layer_permutations
+from rpb.anchors.controls import base_communities, base_transition_communities, layer_permutations
 from rpb.anchors.stats import reduce_across_ranks, routing_metrics
 from rpb.artifact import load_artifact
 from rpb.checkpoints import CompleteMarker, resolve_resume, run_record, trim_log
@@ -198,11 +198,17 @@ def attach_anchor(
     sigma_LE = None
     if method.shuffle is not None:
         labels_LE = None
-        if method.needs_communities:
+        if method.shuffle == "within-transition":
+            comm = base_transition_communities(
+                model, layers, data.examples, anchor_cfg.shuffle_seed, anchor_cfg.community_resolution,
+                batch_size, pad_id_of(tokenizer),
+            )  # fmt: skip
+        elif method.needs_communities:
             comm = base_communities(
                 model, layers, data.examples, anchor_cfg.shuffle_seed, anchor_cfg.community_resolution,
                 batch_size, pad_id_of(tokenizer), progress,
             )  # fmt: skip
+        if method.needs_communities:
             labels_LE = comm.labels_LE
             info["base_communities"] = {"labels": labels_LE.tolist(), "modularity": comm.modularity_L}
         num_experts = int(layers[0].router.weight.shape[0])

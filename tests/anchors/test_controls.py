@@ -78,3 +78,30 @@ def test_shuffle_prior_moves_mass_as_defined():
 def test_shuffle_prior_refuses_a_non_bijection():
     with pytest.raises(ValueError, match="permutation"):
         shuffle_prior(torch.rand(1, 2, 1, 3), torch.tensor([[0, 0, 1]]))
+
+
+def test_transition_controls_permute_within_the_bases_transition_communities(save_tiny):
+    """The within-transition controls' communities are the retention report's transition communities of
+    the base on the same rows, and every permutation stays inside them."""
+    from rpb.adapters import find_moe_layers, get_adapter
+    from rpb.anchors.controls import base_transition_communities, layer_permutations
+    from rpb.data import load_labelled
+    from rpb.models import load_base_model, load_tokenizer
+    from rpb.retention.run import collect_routing
+    from rpb.retention.transitions import directed_louvain
+    from rpb.testing.data import conversations, write_jsonl
+
+    model_dir = save_tiny("qwen3_moe")
+    data = write_jsonl(conversations(12, seed=2), model_dir.parent / "transitions.jsonl")
+    tok = load_tokenizer(str(model_dir))
+    examples = load_labelled(str(data), tok, 192).examples
+    model, _ = load_base_model(str(model_dir), "float32", None, "cpu")
+    layers = find_moe_layers(model, get_adapter(model.config.model_type))
+    comm = base_transition_communities(model, layers, examples, seed=3, batch_size=5, pad_id=0)
+    stats, _ = collect_routing([model], [layers], examples, 4, 0, progress=False, transitions=True)
+    for pos in range(len(layers)):
+        labels, _ = directed_louvain(stats[0].transitions.graph(pos), seed=3)
+        assert torch.equal(comm.labels_LE[pos], labels)
+    sigma = layer_permutations(comm.labels_LE, 8, seed=5, mode="within-transition")
+    for pos in range(len(layers)):
+        assert torch.equal(comm.labels_LE[pos][sigma[pos]], comm.labels_LE[pos])

@@ -25,10 +25,12 @@ def dummy():
 
 def test_needs_are_derived_from_each_entry():
     needs_prior = {m for m, e in METHODS.items() if e.needs_prior}
-    assert needs_prior == {"rpb", "rpb-hard", "within-soft", "within-hard", "global-hard"}
+    transition = {"within-transition-soft", "within-transition-hard"}
+    assert needs_prior == {"rpb", "rpb-hard", "within-soft", "within-hard", "global-hard", *transition}
     assert {m for m, e in METHODS.items() if e.needs_base_router} == {"router-l2", "kl-to-base", "logit-l2"}
     assert {m for m, e in METHODS.items() if e.needs_base_logits} == {"kl-to-base", "logit-l2"}
-    assert {m for m, e in METHODS.items() if e.needs_communities} == {"within-soft", "within-hard"}
+    assert {m for m, e in METHODS.items() if e.needs_communities} == {"within-soft", "within-hard", *transition}
+    assert {m for m, e in METHODS.items() if not e.in_paper} == transition
     assert {m: e.coefficient for m, e in METHODS.items() if e.coefficient} == {
         "lbl": "lbl_coef", "router-l2": "lambda_", "kl-to-base": "lambda_", "logit-l2": "lambda_",
     }  # fmt: skip

@@ -134,3 +134,24 @@ def test_nmi_on_random_labelings_matches_the_textbook_formula():
         a = [rng.randrange(4) for _ in range(64)]
         b = [rng.randrange(5) for _ in range(64)]
         assert nmi(torch.tensor(a), torch.tensor(b)) == pytest.approx(by_hand(a, b), abs=1e-12)
+
+
+def test_transitions_end_to_end(save_tiny, data, tmp_path):
+    """--transitions: the fourth level in report.json / report.md and a heatmap per layer; a model against
+    itself keeps its transition structure exactly, another model does not."""
+    base = str(save_tiny("moonlight"))
+    same, other = tmp_path / "same", tmp_path / "other"
+    common = ["--data-jsonl", str(data), "--max-rows", "12", "--transitions", "--no-progress"]
+    assert main(["retention", "--base", base, "--post", base, "--out", str(same), *common]) == 0
+    assert main(["retention", "--base", base, "--post", str(save_tiny("moonlight", seed=1)), "--out", str(other),
+                 *common]) == 0  # fmt: skip
+    r_same, r_other = (json.loads((d / "report.json").read_text()) for d in (same, other))
+    m = r_same["mean"]
+    assert m["transition_nmi"] == pytest.approx(1) and m["transition_tvd"] == 0 and m["transition_row_jsd"] == 0
+    assert r_other["mean"]["transition_tvd"] > 0 and r_other["mean"]["transition_row_jsd"] > 0
+    for layer in r_other["layers"]:
+        assert layer["transition_communities_base"] >= 1 and 0 <= layer["transition_self_share_base"] <= 1
+    assert len(r_other["communities"]["transitions_base"]) == len(r_other["layers"])
+    md = (other / "report.md").read_text()
+    assert "## Transitions (fourth level)" in md and "transitions_layer1.png" in md
+    assert (other / "transitions_layer1.png").stat().st_size > 1000

@@ -1,10 +1,11 @@
-"""The shuffled-prior controls: base co-activation communities and per-layer permutations.
+"""The shuffled-prior controls: base co-activation (or transition) communities and per-layer permutations.
 
 within-soft / within-hard move the prior by one seeded permutation per MoE layer that maps
 every expert to an expert of the same base community; global-hard by one seeded
 permutation per layer over all experts: pi'[x, s, l, sigma_l(e)] = pi[x, s, l, e].
 Communities come from seeded Louvain on the base model's co-activation graph (eq. 1) over
-the training data, using the same library functions as the retention diagnostics.
+the training data, using the same library functions as the retention diagnostics; the
+within-transition controls use the base's directed transition graph of answer tokens instead.
 
 Shape legend: E experts, L MoE layers (positions in the model's list of MoE layers),
 N samples, S spans.
@@ -17,11 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from rpb.adapters import MoELayer
-from rpb.data import Example
+from rpb.data import Example, collate
 from rpb.retention.communities import CoactivationAccumulator, louvain
-from rpb.retention.trace import trace_topk
+from rpb.retention.trace import RouterTap, route_batch, trace_topk
+from rpb.retention.transitions import TransitionAccumulator, directed_louvain
 
-PERMUTATION_MODES = ("within", "global")
+#: "within-transition" permutes inside the base's transition communities, exactly as "within" does
+#: inside its co-activation communities
+PERMUTATION_MODES = ("within", "within-transition", "global")
 
 #: Layer l of a run with seed s draws its permutation from a generator seeded with
 #: ``s * LAYER_SEED_STRIDE + l``. Injective while l < stride, so no two (seed, layer) pairs share a stream.
@@ -59,6 +63,38 @@ def base_communities(
         labels.append(lab)
         mods.append(q)
     return BaseCommunities(torch.stack(labels), mods, tokens)
+
+
+def base_transition_communities(
+    model: torch.nn.Module,
+    layers: list[MoELayer],
+    examples: list[Example],
+    seed: int,
+    resolution: float = 1.0,
+    batch_size: int = 8,
+    pad_id: int = 0,
+) -> BaseCommunities:
+    """Seeded directed-Louvain communities of the model's expert-transition graph over ``examples``
+    (``rpb.retention.transitions``: consecutive answer tokens), per MoE layer: what the
+    within-transition controls shuffle within."""
+    num_experts = layers[0].router.weight.shape[0]
+    acc = TransitionAccumulator(len(layers), num_experts)
+    was_training, tokens = model.training, 0
+    model.eval()
+    try:
+        with RouterTap(layers) as tap:
+            for start in range(0, len(examples), batch_size):
+                b = collate(examples[start : start + batch_size], pad_id)
+                route_batch(model, b)
+                rows = b["input_ids"].shape[0]
+                for pos in range(len(layers)):
+                    ids = tap.topk_ids[pos].cpu()
+                    acc.add(pos, ids.view(rows, -1, ids.shape[-1]), b["attention_mask"], b["span_ids"])
+                tokens += int(b["attention_mask"].sum())
+    finally:
+        model.train(was_training)
+    found = [directed_louvain(acc.graph(pos), seed=seed, resolution=resolution) for pos in range(len(layers))]
+    return BaseCommunities(torch.stack([lab for lab, _ in found]), [q for _, q in found], tokens)
 
 
 def within_community_permutation(labels_E: torch.Tensor, seed: int) -> torch.Tensor:
@@ -107,9 +143,9 @@ def layer_permutations(
         if num_layers is not None and num_layers != labels_LE.shape[0]:
             raise ValueError(f"num_layers={num_layers} disagrees with labels for {labels_LE.shape[0]} layers")
         num_layers = labels_LE.shape[0]
-    if mode == "within":
+    if mode in ("within", "within-transition"):
         if labels_LE is None:
-            raise ValueError("mode 'within' needs the base community labels (labels_LE)")
+            raise ValueError(f"mode {mode!r} needs the base community labels (labels_LE)")
         rows = [within_community_permutation(labels_LE[pos], layer_seed(seed, pos)) for pos in range(num_layers)]
     else:
         if num_layers is None:

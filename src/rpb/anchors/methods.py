@@ -13,6 +13,8 @@
 | `within-hard` | `rpb-hard` on the prior shuffled within base co-activation communities | prior |
 | `global-hard` | `rpb-hard` on the prior shuffled over all experts | prior |
 | `router-freeze` | router weights frozen (today's strictest practice) |  |
+| `within-transition-soft` | `rpb` on the prior shuffled within base transition communities (rpb's own) | prior |
+| `within-transition-hard` | `rpb-hard` on the prior shuffled within base transition communities (rpb's own) | prior |
 
 (``methods_table()`` renders this table from ``METHODS``; a test keeps it, and the README's, in step.)
 
@@ -78,8 +80,9 @@ class Method:
     summary: str
     #: "soft" (bias on logits), "hard" (the prior forces the top-k) or None (native selection)
     selection: Literal["soft", "hard"] | None = None
-    #: "within" (base communities) or "global" shuffle of the prior, or None
-    shuffle: Literal["within", "global"] | None = None
+    #: "within" (base co-activation communities), "within-transition" (base transition communities)
+    #: or "global" shuffle of the prior, or None
+    shuffle: Literal["within", "within-transition", "global"] | None = None
     loss: LossAnchor | None = None
     #: the AnchorConfig field holding the loss's coefficient (required, no default)
     coefficient: Literal["lambda_", "lbl_coef"] | None = None
@@ -88,6 +91,8 @@ class Method:
     weights: tuple[float, ...] = ()
     #: study tables that list the method besides the main one ("forms", "controls")
     tables: tuple[str, ...] = ()
+    #: one of the paper's methods (the toy world's ``full`` grid), or a control this project adds
+    in_paper: bool = True
 
     @property
     def needs_prior(self) -> bool:
@@ -104,8 +109,8 @@ class Method:
 
     @property
     def needs_communities(self) -> bool:
-        """The base model's co-activation communities, built from the training data."""
-        return self.shuffle == "within"
+        """The base model's co-activation (or transition) communities, built from the training data."""
+        return self.shuffle in ("within", "within-transition")
 
     @property
     def needs(self) -> list[str]:
@@ -194,6 +199,14 @@ for _method in (
         tables=("controls",),
     ),
     Method("router-freeze", "router weights frozen (today's strictest practice)", freeze_router=True),
+    Method(
+        "within-transition-soft", f"`rpb` {_SHUFFLED} within base transition communities (rpb's own)",
+        selection="soft", shuffle="within-transition", in_paper=False,
+    ),
+    Method(
+        "within-transition-hard", f"`rpb-hard` {_SHUFFLED} within base transition communities (rpb's own)",
+        selection="hard", shuffle="within-transition", in_paper=False,
+    ),
 ):  # fmt: skip
     register_method(_method)
 

@@ -145,11 +145,44 @@ def _per_layer(report: dict) -> list[str]:
     return ["## Per layer", "", *_table([c[0] for c in columns], rows), ""]
 
 
+_TRANSITION_COLUMNS = [
+    ("layer", "layer", None),
+    ("transition NMI", "transition_nmi", DIGITS),
+    ("transition TVD", "transition_tvd", DIGITS),
+    ("row JSD", "transition_row_jsd", DIGITS),
+    ("communities base", "transition_communities_base", None),
+    ("modularity base", "transition_modularity_base", DIGITS),
+    ("stay share base", "transition_self_share_base", DIGITS),
+    ("stay share post", "transition_self_share_post", DIGITS),
+]
+_LEGEND_TRANSITIONS = """\
+- **transitions** (`--transitions`): per layer, W[e, e'] counts e in S_t and e' in S_{t+1} for consecutive
+  answer tokens of a row (k² pairs a step, over the steps counted; the diagonal, an expert that stays,
+  is kept). Communities: Louvain on the directed graph (directed modularity).
+- **transition NMI**: NMI of the base's and the post-trained model's transition communities.
+- **transition TVD**: TVD between the two W, each normalised over its E² cells.
+- **row JSD**: Σ_i u_base(i) · JSD(P_base(i, ·), P_post(i, ·)) in bits, P = W row-normalised, u the base's
+  utilization (rows a model never leaves are skipped).
+- **stay share**: the diagonal's share of W.
+"""
+
+
+def _transitions(report: dict) -> list[str]:
+    layers = report.get("layers", [])
+    if not layers or "transition_communities_base" not in layers[0]:
+        return []
+    columns = [c for c in _TRANSITION_COLUMNS if c[1] in layers[0] or c[1] == "layer"]
+    rows = [[fmt(layer.get(key), d) for _, key, d in columns] for layer in layers]
+    return ["## Transitions (fourth level)", "", *_table([c[0] for c in columns], rows), "", _LEGEND_TRANSITIONS]
+
+
 def _caption(name: str) -> str:
     if name in _CAPTIONS:
         return _CAPTIONS[name]
     if name.startswith("coactivation_layer"):
         return f"Expert co-activation, layer {name.removeprefix('coactivation_layer')}"
+    if name.startswith("transitions_layer"):
+        return f"Expert transitions, layer {name.removeprefix('transitions_layer')}"
     return name.replace("_", " ")
 
 
@@ -173,6 +206,7 @@ def render_markdown(report: dict, images: dict[str, str], base_dir: str | Path |
         *_header(report),
         *_summary(report),
         *_per_layer(report),
+        *_transitions(report),
         "## Metrics",
         "",
         legend,

@@ -94,8 +94,9 @@ def community_order(labels_E) -> np.ndarray:
     return np.lexsort((np.arange(labels_E.shape[0]), labels_E))
 
 
-def plot_coactivation(w_base_EE, w_post_EE, labels_base_E, layer: int, path) -> Path:
-    """Eq. 1 co-activation weights, experts ordered by base community (then id); lines mark community bounds."""
+def plot_coactivation(w_base_EE, w_post_EE, labels_base_E, layer: int, path, title: str | None = None) -> Path:
+    """Eq. 1 co-activation weights (or, with ``title``, another [E, E] expert graph such as the directed
+    transition W, rows = from), experts ordered by base community (then id); lines mark community bounds."""
     mats = [_as_2d("w_base_EE", w_base_EE)]
     if w_post_EE is not None:
         mats.append(_as_2d("w_post_EE", w_post_EE))
@@ -134,8 +135,8 @@ def plot_coactivation(w_base_EE, w_post_EE, labels_base_E, layer: int, path) -> 
             ax.set_xticks(centres, names, fontsize=7)
             ax.set_yticks(centres, names, fontsize=7)
     cbar = fig.colorbar(im, ax=list(axes), shrink=0.85, pad=0.02)
-    cbar.set_label("co-activation weight $w_{ij}$ (share of tokens)")
-    fig.suptitle(f"Expert co-activation, layer {layer} ({n_comm} base communities)")
+    cbar.set_label("co-activation weight $w_{ij}$ (share of tokens)" if title is None else "weight")
+    fig.suptitle(f"{title or 'Expert co-activation'}, layer {layer} ({n_comm} base communities)")
     return _save(fig, path)
 
 

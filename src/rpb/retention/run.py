@@ -25,6 +25,7 @@ from rpb.retention.communities import louvain, nmi
 from rpb.retention.metrics import entropy_bits, jsd_bits, shares, tvd
 from rpb.retention.stats import SUBSETS, ModelRouting, PairedOverlap
 from rpb.retention.trace import RouterTap, route_batch
+from rpb.retention.transitions import directed_louvain, self_share, transition_row_jsd, transition_tvd
 
 SCHEMA = "rpb_retention"
 
@@ -57,10 +58,11 @@ def select_rows(num_rows: int, max_rows: int | None, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(num_rows), max_rows))
 
 
-def collect_routing(models: list, layers: list, examples, batch_size: int, pad_id: int, progress: bool):
+def collect_routing(models: list, layers: list, examples, batch_size: int, pad_id: int, progress: bool,
+                    transitions: bool = False):  # fmt: skip
     """Stream the batches through every model; returns per-model ModelRouting and the paired overlap."""
     num_layers, num_experts = len(layers[0]), int(layers[0][0].router.weight.shape[0])
-    stats = [ModelRouting(num_layers, num_experts) for _ in models]
+    stats = [ModelRouting(num_layers, num_experts, transitions) for _ in models]
     overlap = PairedOverlap(num_layers, num_experts) if len(models) == 2 else None
     taps = [RouterTap(lay) for lay in layers]
     bar = tqdm(total=sum(len(e) for e in examples), unit="tok", desc="retention", disable=not progress)
@@ -75,7 +77,7 @@ def collect_routing(models: list, layers: list, examples, batch_size: int, pad_i
             for pos in range(num_layers):
                 ids = [tap.topk_ids[pos].cpu() for tap in taps]
                 for st, ids_TK in zip(stats, ids, strict=True):
-                    st.add(pos, ids_TK, valid_T, span_T)
+                    st.add(pos, ids_TK, valid_T, span_T, rows=b["input_ids"].shape[0])
                 if overlap is not None:
                     overlap.add(pos, ids[0], ids[1], valid_T, span_T)
             bar.update(int(valid_T.sum()))
@@ -118,6 +120,8 @@ def build_report(info: dict, stats: list[ModelRouting], overlap: PairedOverlap |
                 row[f"tvd{suffix}"], row[f"jsd{suffix}"] = tvd(ps, qs), jsd_bits(ps, qs)
                 row[f"topk_overlap{suffix}"] = float(overlap.mean_SL()[s, pos])
             row["nmi"] = nmi(lab_b, lab_p)
+        if base.transitions is not None:
+            row.update(transition_figures(base, post, pos, seed, resolution, communities))
         layers.append(row)
     keys = [k for k in layers[0] if k != "layer"]
     mean = {k: _nanmean([r[k] for r in layers]) for k in keys}
@@ -130,8 +134,29 @@ def build_report(info: dict, stats: list[ModelRouting], overlap: PairedOverlap |
         "resolution": resolution,
         "layers": layers,
         "mean": mean,
-        "communities": communities if post is not None else {"base": communities["base"]},
+        "communities": communities if post is not None else {k: v for k, v in communities.items() if "post" not in k},
     }
+
+
+def transition_figures(base: ModelRouting, post: ModelRouting | None, pos: int, seed, resolution, communities) -> dict:
+    """The fourth level (``rpb.retention.transitions``): directed transition communities of the base (and
+    their NMI with the post-trained model's), the TVD of the two W and the utilization-weighted row JSD."""
+    w_b = base.transitions.graph(pos)
+    lab_b, q_b = directed_louvain(w_b, seed=seed, resolution=resolution)
+    communities.setdefault("transitions_base", []).append(lab_b.tolist())
+    row = {"transition_communities_base": int(lab_b.max()) + 1, "transition_modularity_base": q_b,
+           "transition_self_share_base": self_share(w_b)}  # fmt: skip
+    if post is not None:
+        w_p = post.transitions.graph(pos)
+        lab_p, _ = directed_louvain(w_p, seed=seed, resolution=resolution)
+        communities.setdefault("transitions_post", []).append(lab_p.tolist())
+        row.update(
+            transition_nmi=nmi(lab_b, lab_p),
+            transition_tvd=transition_tvd(w_b, w_p),
+            transition_row_jsd=transition_row_jsd(w_b, w_p, base.load_SLE[0, pos]),
+            transition_self_share_post=self_share(w_p),
+        )
+    return row
 
 
 def _nanmean(values: list[float]) -> float:
@@ -165,6 +190,7 @@ def run_retention(
     dtype: str = "float32",
     device: str = "auto",
     progress: bool = True,
+    transitions: bool = False,
 ) -> dict:
     """Compute, write and return the retention report (report.json, report.md, PNGs in ``out_dir``)."""
     from rpb.retention.markdown import write_markdown
@@ -183,7 +209,7 @@ def run_retention(
         described.append(_describe(model, facts, lay))
     if post:
         check_comparable(described[0], described[1])
-    stats, overlap = collect_routing(models, layers, examples, batch_size, pad_id_of(tok), progress)
+    stats, overlap = collect_routing(models, layers, examples, batch_size, pad_id_of(tok), progress, transitions)
     info = {"base": str(base), "post": str(post) if post else None, "data": str(data_jsonl), "rows": len(rows),
             **described[0]}  # fmt: skip
     report = build_report(info, stats, overlap, seed, resolution)
@@ -205,6 +231,15 @@ def run_retention(
             layer_index,
             out / f"coactivation_layer{layer_index}.png",
         )
+        if transitions:
+            images[f"transitions_layer{layer_index}"] = plot_coactivation(
+                stats[0].transitions.graph(pos),
+                stats[1].transitions.graph(pos) if post else None,
+                torch.tensor(report["communities"]["transitions_base"][pos]),
+                layer_index,
+                out / f"transitions_layer{layer_index}.png",
+                title="expert transitions W[from, to]",
+            )
     images = {k: Path(v).name for k, v in images.items()}
     write_json_atomic(out / "report.json", _json_safe(report))
     write_markdown(report, images, out / "report.md")

@@ -11,6 +11,7 @@ import torch
 from rpb.prior import SPAN_A, SPAN_Q
 from rpb.retention.communities import CoactivationAccumulator
 from rpb.retention.metrics import topk_overlap_T
+from rpb.retention.transitions import TransitionAccumulator
 
 SUBSETS = ("all", "Q", "A")
 
@@ -22,19 +23,24 @@ def subset_masks(valid_T: torch.Tensor, span_T: torch.Tensor) -> list[torch.Tens
 class ModelRouting:
     """One model's utilization counts per subset and co-activation counts, per MoE layer."""
 
-    def __init__(self, num_layers: int, num_experts: int):
+    def __init__(self, num_layers: int, num_experts: int, transitions: bool = False):
         self.num_experts = num_experts
         self.load_SLE = torch.zeros(len(SUBSETS), num_layers, num_experts, dtype=torch.float64)
         self.tokens_S = torch.zeros(len(SUBSETS), dtype=torch.int64)
         self.coactivation = CoactivationAccumulator(num_layers, num_experts)
+        self.transitions = TransitionAccumulator(num_layers, num_experts) if transitions else None
 
-    def add(self, pos: int, ids_TK: torch.Tensor, valid_T: torch.Tensor, span_T: torch.Tensor) -> None:
+    def add(self, pos: int, ids_TK: torch.Tensor, valid_T: torch.Tensor, span_T: torch.Tensor, rows: int = 1) -> None:
+        """One layer's routing of a batch of ``rows`` rows flattened row-major (transitions need the rows)."""
         for s, mask_T in enumerate(subset_masks(valid_T, span_T)):
             ids = ids_TK[mask_T].reshape(-1)
             self.load_SLE[s, pos] += torch.bincount(ids, minlength=self.num_experts).cpu().double()
             if pos == 0:
                 self.tokens_S[s] += int(mask_T.sum())
         self.coactivation.add(pos, ids_TK, valid_T)
+        if self.transitions is not None:
+            self.transitions.add(pos, ids_TK.view(rows, -1, ids_TK.shape[-1]), valid_T.view(rows, -1),
+                                 span_T.view(rows, -1))  # fmt: skip
 
 
 class PairedOverlap:

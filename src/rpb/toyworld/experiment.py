@@ -74,6 +74,10 @@ class Grid:
     post: PostRecipe | None = None
 
 
+#: the paper's methods (the controls this project adds are outside the ``full`` grid)
+PAPER_METHODS = tuple(name for name, m in METHODS.items() if m.in_paper)
+
+
 def _arms(*methods: str) -> tuple[Arm, ...]:
     return tuple(Arm(m, m) for m in methods)
 
@@ -88,7 +92,7 @@ CALIBRATED = Arm("rpb calibrated", "rpb", calibrated=True)
 GRIDS: dict[str, Grid] = {
     "headline": Grid("headline", POST_SETS, (*_arms("sft", "lbl", "rpb"), CALIBRATED), SEEDS,
                      tables=("main", "mechanism"), bases=BASES, post=STUDY_POST),
-    "full": Grid("full", POST_SETS, _arms(*METHODS), SEEDS, tables=("main", "forms", "controls", "mechanism"),
+    "full": Grid("full", POST_SETS, _arms(*PAPER_METHODS), SEEDS, tables=("main", "forms", "controls", "mechanism"),
                  bases=BASES, post=STUDY_POST),
     "small": Grid("small", ("math_post",), _arms("sft", "lbl", "rpb", "kl-to-base"), (42,), tables=("main", "forms")),
     "beta": Grid("beta", POST_SETS, BETA_ARMS, SEEDS, coefficients={}, tables=("beta", "mechanism"), bases=BASES,

@@ -201,7 +201,8 @@ def validate_megatron_config(cfg: MegatronRunConfig) -> list[str]:
     if method is not None and method.needs_communities:
         usable = [name for name, m in METHODS.items() if not m.needs_communities]
         out.append(
-            f"anchor.method: {cfg.anchor.method!r} needs the base co-activation communities, which this "
+            f"anchor.method: {cfg.anchor.method!r} needs the base model's co-activation or transition communities, "
+            "built from the whole training set through the base model, which this "
             f"example does not build; one of {', '.join(usable)}"
         )
     elif method is not None and method.needs_prior and not cfg.prior:

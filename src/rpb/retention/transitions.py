@@ -1,0 +1,116 @@
+"""Routing transition communities: which experts *follow* which, token to token, inside answers.
+
+The static co-activation graph (eq. 1) says which experts fire together on one token. For long
+reasoning traces the structure may instead be sequential: a run of tokens routed to one group of
+experts hands over to another group. Per MoE layer, a directed graph counts those hand-overs:
+
+  W[e, e'] += 1  for every e in S_t and e' in S_{t+1},
+
+for consecutive answer tokens t, t+1 of one row (k² pairs per step; nothing crosses rows, spans or
+padding). The diagonal -- an expert that persists -- is kept, and its share is reported. W is
+normalised as eq. 1 is, by the number of steps counted. Communities come from networkx's Louvain
+on the *directed* graph (directed modularity); nothing is symmetrised.
+
+Shape legend: B rows, T positions, K top-k, E experts, L MoE layers.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+import torch
+from networkx.algorithms.community import louvain_communities, modularity
+
+from rpb.prior import SPAN_A
+from rpb.retention.metrics import jsd_bits
+
+
+def transition_counts(ids_BTK: torch.Tensor, valid_BT: torch.Tensor, span_BT: torch.Tensor, num_experts: int):
+    """``(counts_EE, steps)``: expert-set transitions between consecutive answer tokens of each row (float64)."""
+    if ids_BTK.dim() != 3:
+        raise ValueError(f"indices must be [B, T, K], got shape {tuple(ids_BTK.shape)}")
+    keep_BT = valid_BT.bool() & (span_BT == SPAN_A)
+    step_BT = keep_BT[:, :-1] & keep_BT[:, 1:]  # t and t+1 both answer tokens of the row
+    B, T, _ = ids_BTK.shape
+    onehot_BTE = torch.zeros(B, T, num_experts, dtype=torch.float64, device=ids_BTK.device)
+    onehot_BTE.scatter_(2, ids_BTK.long().clamp(0, num_experts - 1), 1.0)
+    src_SE, dst_SE = onehot_BTE[:, :-1][step_BT], onehot_BTE[:, 1:][step_BT]
+    return src_SE.T @ dst_SE, int(step_BT.sum())
+
+
+class TransitionAccumulator:
+    """Running per-layer transition counts: O(L * E^2) memory, whatever the number of tokens."""
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.counts_LEE = torch.zeros(num_layers, num_experts, num_experts, dtype=torch.float64)
+        self.steps_L = torch.zeros(num_layers, dtype=torch.int64)
+
+    def add(self, pos: int, ids_BTK: torch.Tensor, valid_BT: torch.Tensor, span_BT: torch.Tensor) -> None:
+        counts_EE, steps = transition_counts(ids_BTK, valid_BT, span_BT, self.num_experts)
+        self.counts_LEE[pos] += counts_EE.cpu()
+        self.steps_L[pos] += steps
+
+    def merge(self, other: TransitionAccumulator) -> TransitionAccumulator:
+        self.counts_LEE += other.counts_LEE
+        self.steps_L += other.steps_L
+        return self
+
+    def graph(self, pos: int) -> torch.Tensor:
+        """W of one layer: counts over steps, diagonal kept; raises ValueError ("empty selection") without steps."""
+        steps = int(self.steps_L[pos])
+        if steps <= 0:
+            raise ValueError("empty selection: no consecutive answer tokens to count transitions over")
+        return self.counts_LEE[pos] / steps
+
+
+def directed_graph(weights_EE: torch.Tensor) -> nx.DiGraph:
+    """Directed weighted networkx graph, every expert a node, self-loops kept, edges in id order."""
+    if weights_EE.dim() != 2 or weights_EE.shape[0] != weights_EE.shape[1]:
+        raise ValueError(f"weights must be a square [E, E] matrix, got shape {tuple(weights_EE.shape)}")
+    w = weights_EE.detach().to("cpu", torch.float64)
+    if (w < 0).any():
+        raise ValueError("transition weights must be non-negative")
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(w.shape[0]))
+    rows, cols = torch.nonzero(w > 0, as_tuple=True)
+    graph.add_weighted_edges_from(zip(rows.tolist(), cols.tolist(), w[rows, cols].tolist(), strict=True))
+    return graph
+
+
+def directed_louvain(weights_EE: torch.Tensor, seed: int, resolution: float = 1.0) -> tuple[torch.Tensor, float]:
+    """Louvain communities of a directed graph under directed modularity: ``(labels_E, modularity)``,
+    labels numbered by each community's smallest expert id (as ``communities.louvain``)."""
+    graph = directed_graph(weights_EE)
+    communities = sorted(
+        louvain_communities(graph, weight="weight", resolution=resolution, seed=seed, backend="networkx"), key=min
+    )
+    labels_E = torch.empty(graph.number_of_nodes(), dtype=torch.int64)
+    for label, members in enumerate(communities):
+        labels_E[sorted(members)] = label
+    if graph.number_of_edges() == 0:
+        return labels_E, float("nan")
+    return labels_E, float(modularity(graph, communities, weight="weight"))
+
+
+def self_share(weights_EE: torch.Tensor) -> float:
+    """The diagonal's share of W: transitions in which an expert stays selected."""
+    total = float(weights_EE.sum())
+    return float(weights_EE.diagonal().sum()) / total if total > 0 else float("nan")
+
+
+def transition_tvd(w_base_EE: torch.Tensor, w_post_EE: torch.Tensor) -> float:
+    """TVD between the two W normalised to distributions over the E² transitions."""
+    p, q = w_base_EE / w_base_EE.sum(), w_post_EE / w_post_EE.sum()
+    return float(0.5 * (p - q).abs().sum())
+
+
+def transition_row_jsd(w_base_EE: torch.Tensor, w_post_EE: torch.Tensor, util_base_E: torch.Tensor) -> float:
+    """Σ_i π_base(i) · JSD(P_base(i, ·), P_post(i, ·)) in bits, P = W row-normalised, π_base the base's
+    utilization; rows either model never leaves are skipped and π renormalised over the rest."""
+    out_b, out_p = w_base_EE.sum(1), w_post_EE.sum(1)
+    rows = torch.nonzero((out_b > 0) & (out_p > 0)).flatten().tolist()
+    weights = util_base_E.double()[rows]
+    if not rows or float(weights.sum()) == 0:
+        return float("nan")
+    jsd = torch.tensor([jsd_bits(w_base_EE[i] / out_b[i], w_post_EE[i] / out_p[i]) for i in rows], dtype=torch.float64)
+    return float((weights / weights.sum() * jsd).sum())
