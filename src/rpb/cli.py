@@ -99,7 +99,7 @@ def _retention(args) -> int:
         args.base, args.data_jsonl, args.out, post=args.post, max_rows=args.max_rows, seed=args.seed,
         resolution=args.resolution, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
         tokenizer=args.tokenizer, adapter=args.adapter, dtype=args.dtype, device=args.device,
-        progress=not args.no_progress, transitions=args.transitions,
+        progress=not args.no_progress, transitions=args.transitions, steps_by=args.steps_by,
     )  # fmt: skip
     m = report["mean"]
     if args.post:
@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="auto")
     r.add_argument("--transitions", action="store_true",
                    help="also the directed expert transitions of answer tokens and their communities")  # fmt: skip
+    r.add_argument("--steps-by", metavar="REGEX",
+                   help="also step-level transitions, answers cut where REGEX matches (e.g. '\\n')")  # fmt: skip
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=_retention)
 

@@ -155,3 +155,19 @@ def test_transitions_end_to_end(save_tiny, data, tmp_path):
     md = (other / "report.md").read_text()
     assert "## Transitions (fourth level)" in md and "transitions_layer1.png" in md
     assert (other / "transitions_layer1.png").stat().st_size > 1000
+
+
+def test_step_transitions_end_to_end(save_tiny, tmp_path):
+    """--steps-by: step_ figures beside the token-level ones, on answers of several lines."""
+    rows = [{"messages": [{"role": "user", "content": f"sum {i}"},
+                          {"role": "assistant", "content": "\n".join(f"{j} + {i} = {i + j}" for j in range(6))}]}
+            for i in range(10)]  # fmt: skip
+    data = write_rows(tmp_path / "traces.jsonl", rows)
+    base = str(save_tiny("moonlight"))
+    out = tmp_path / "steps"
+    assert main(["retention", "--base", base, "--post", str(save_tiny("moonlight", seed=1)), "--data-jsonl", str(data),
+                 "--out", str(out), "--steps-by", r"\n", "--no-progress"]) == 0  # fmt: skip
+    r = json.loads((out / "report.json").read_text())
+    assert r["steps_by"] == r"\n" and "transition_nmi" in r["mean"] and r["mean"]["step_transition_tvd"] > 0
+    assert 0 <= r["mean"]["step_transition_nmi"] <= 1 and r["layers"][0]["step_transition_communities_base"] >= 1
+    assert "## Step transitions" in (out / "report.md").read_text()

@@ -106,3 +106,29 @@ def test_row_jsd_weights_rows_by_base_utilization():
 
     row0 = jensenshannon([0.0, 1.0], [0.5, 0.5], base=2) ** 2
     assert transition_row_jsd(w_b, w_p, torch.tensor([3.0, 1.0])) == pytest.approx(0.75 * row0)
+
+
+def test_step_ids_cut_after_the_delimiter_token_and_restart_per_answer():
+    from rpb.retention.transitions import step_ids
+
+    text = {1: "a", 2: "b\n", 3: "c", 4: "d\n", 5: "e", 9: "<s>"}
+    ids = [9, 1, 2, 3, 4, 5, 9, 1, 2, 3]
+    span = [S, A, A, A, A, A, S, A, A, A]
+    assert step_ids(ids, span, text.__getitem__, r"\n") == [-1, 0, 0, 1, 1, 2, -1, 3, 3, 4]
+    # a match that ends the answer does not open an empty step
+    assert step_ids([1, 2], [A, A], text.__getitem__, r"\n") == [0, 0]
+
+
+def test_step_transitions_are_outer_products_of_consecutive_step_usage():
+    from rpb.retention.transitions import StepTransitionAccumulator
+
+    ids = torch.tensor([[[0, 1], [0, 2], [3, 1], [3, 1], [2, 0]]])
+    steps = torch.tensor([[0, 0, 1, 1, 2]])
+    span = torch.full((1, 5), A)
+    acc = StepTransitionAccumulator(1, 4)
+    acc.add(0, ids, steps, span)
+    u0 = torch.tensor([2.0, 1, 1, 0], dtype=torch.float64) / 4
+    u1 = torch.tensor([0.0, 2, 0, 2], dtype=torch.float64) / 4
+    u2 = torch.tensor([1.0, 0, 1, 0], dtype=torch.float64) / 2
+    assert int(acc.steps_L[0]) == 2
+    torch.testing.assert_close(acc.counts_LEE[0], torch.outer(u0, u1) + torch.outer(u1, u2))

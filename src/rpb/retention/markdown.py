@@ -164,16 +164,23 @@ _LEGEND_TRANSITIONS = """\
 - **row JSD**: Σ_i u_base(i) · JSD(P_base(i, ·), P_post(i, ·)) in bits, P = W row-normalised, u the base's
   utilization (rows a model never leaves are skipped).
 - **stay share**: the diagonal's share of W.
+- **step transitions** (`--steps-by REGEX`): the same figures on a graph of answer *steps* (cut where REGEX
+  matches; a delimiter token ends its step), each consecutive pair adding u_j u_{j+1}ᵀ of the steps' usage.
 """
 
 
 def _transitions(report: dict) -> list[str]:
     layers = report.get("layers", [])
-    if not layers or "transition_communities_base" not in layers[0]:
-        return []
-    columns = [c for c in _TRANSITION_COLUMNS if c[1] in layers[0] or c[1] == "layer"]
-    rows = [[fmt(layer.get(key), d) for _, key, d in columns] for layer in layers]
-    return ["## Transitions (fourth level)", "", *_table([c[0] for c in columns], rows), "", _LEGEND_TRANSITIONS]
+    out = []
+    step_title = f"Step transitions (steps by {report.get('steps_by')!r})"
+    for prefix, title in (("", "Transitions (fourth level)"), ("step_", step_title)):
+        if not layers or f"{prefix}transition_communities_base" not in layers[0]:
+            continue
+        columns = [(h, k if k == "layer" else prefix + k, d) for h, k, d in _TRANSITION_COLUMNS]
+        columns = [c for c in columns if c[1] in layers[0]]
+        rows = [[fmt(layer.get(key), d) for _, key, d in columns] for layer in layers]
+        out += [f"## {title}", "", *_table([c[0] for c in columns], rows), ""]
+    return [*out, _LEGEND_TRANSITIONS] if out else []
 
 
 def _caption(name: str) -> str:

@@ -25,7 +25,7 @@ from rpb.retention.communities import louvain, nmi
 from rpb.retention.metrics import entropy_bits, jsd_bits, shares, tvd
 from rpb.retention.stats import SUBSETS, ModelRouting, PairedOverlap
 from rpb.retention.trace import RouterTap, route_batch
-from rpb.retention.transitions import directed_louvain, self_share, transition_row_jsd, transition_tvd
+from rpb.retention.transitions import directed_louvain, self_share, step_ids, transition_row_jsd, transition_tvd
 
 SCHEMA = "rpb_retention"
 
@@ -59,10 +59,11 @@ def select_rows(num_rows: int, max_rows: int | None, seed: int) -> list[int]:
 
 
 def collect_routing(models: list, layers: list, examples, batch_size: int, pad_id: int, progress: bool,
-                    transitions: bool = False):  # fmt: skip
-    """Stream the batches through every model; returns per-model ModelRouting and the paired overlap."""
+                    transitions: bool = False, steps: list[list[int]] | None = None):  # fmt: skip
+    """Stream the batches through every model; returns per-model ModelRouting and the paired overlap.
+    ``steps``: each example's per-token answer step (``transitions.step_ids``) for the step level."""
     num_layers, num_experts = len(layers[0]), int(layers[0][0].router.weight.shape[0])
-    stats = [ModelRouting(num_layers, num_experts, transitions) for _ in models]
+    stats = [ModelRouting(num_layers, num_experts, transitions, steps is not None) for _ in models]
     overlap = PairedOverlap(num_layers, num_experts) if len(models) == 2 else None
     taps = [RouterTap(lay) for lay in layers]
     bar = tqdm(total=sum(len(e) for e in examples), unit="tok", desc="retention", disable=not progress)
@@ -72,12 +73,17 @@ def collect_routing(models: list, layers: list, examples, batch_size: int, pad_i
         for start in range(0, len(examples), batch_size):
             b = collate(examples[start : start + batch_size], pad_id)
             valid_T, span_T = b["attention_mask"].reshape(-1).bool(), b["span_ids"].reshape(-1)
+            step_BT = None
+            if steps is not None:
+                step_BT = torch.full_like(b["span_ids"], -1)
+                for i, row in enumerate(steps[start : start + batch_size]):
+                    step_BT[i, : len(row)] = torch.tensor(row)
             for model in models:
                 route_batch(model, b)
             for pos in range(num_layers):
                 ids = [tap.topk_ids[pos].cpu() for tap in taps]
                 for st, ids_TK in zip(stats, ids, strict=True):
-                    st.add(pos, ids_TK, valid_T, span_T, rows=b["input_ids"].shape[0])
+                    st.add(pos, ids_TK, valid_T, span_T, rows=b["input_ids"].shape[0], step_BT=step_BT)
                 if overlap is not None:
                     overlap.add(pos, ids[0], ids[1], valid_T, span_T)
             bar.update(int(valid_T.sum()))
@@ -122,6 +128,8 @@ def build_report(info: dict, stats: list[ModelRouting], overlap: PairedOverlap |
             row["nmi"] = nmi(lab_b, lab_p)
         if base.transitions is not None:
             row.update(transition_figures(base, post, pos, seed, resolution, communities))
+        if base.step_transitions is not None:
+            row.update(transition_figures(base, post, pos, seed, resolution, communities, "step_transitions"))
         layers.append(row)
     keys = [k for k in layers[0] if k != "layer"]
     mean = {k: _nanmean([r[k] for r in layers]) for k in keys}
@@ -138,25 +146,33 @@ def build_report(info: dict, stats: list[ModelRouting], overlap: PairedOverlap |
     }
 
 
-def transition_figures(base: ModelRouting, post: ModelRouting | None, pos: int, seed, resolution, communities) -> dict:
+def transition_figures(base: ModelRouting, post: ModelRouting | None, pos: int, seed, resolution, communities,
+                       level: str = "transitions") -> dict:  # fmt: skip
     """The fourth level (``rpb.retention.transitions``): directed transition communities of the base (and
-    their NMI with the post-trained model's), the TVD of the two W and the utilization-weighted row JSD."""
-    w_b = base.transitions.graph(pos)
+    their NMI with the post-trained model's), the TVD of the two W and the utilization-weighted row JSD;
+    ``level="step_transitions"`` gives the same figures for the step level, prefixed ``step_``."""
+    prefix = "step_" if level == "step_transitions" else ""
+    if int(getattr(base, level).steps_L[pos]) == 0:  # no consecutive answer tokens (or steps) to count
+        keys = ["communities_base", "modularity_base", "self_share_base"]
+        keys += ["nmi", "tvd", "row_jsd", "self_share_post"] if post is not None else []
+        communities.setdefault(f"{prefix}transitions_base", []).append(None)
+        return {f"{prefix}transition_{k}": math.nan for k in keys}
+    w_b = getattr(base, level).graph(pos)
     lab_b, q_b = directed_louvain(w_b, seed=seed, resolution=resolution)
-    communities.setdefault("transitions_base", []).append(lab_b.tolist())
+    communities.setdefault(f"{prefix}transitions_base", []).append(lab_b.tolist())
     row = {"transition_communities_base": int(lab_b.max()) + 1, "transition_modularity_base": q_b,
            "transition_self_share_base": self_share(w_b)}  # fmt: skip
     if post is not None:
-        w_p = post.transitions.graph(pos)
+        w_p = getattr(post, level).graph(pos)
         lab_p, _ = directed_louvain(w_p, seed=seed, resolution=resolution)
-        communities.setdefault("transitions_post", []).append(lab_p.tolist())
+        communities.setdefault(f"{prefix}transitions_post", []).append(lab_p.tolist())
         row.update(
             transition_nmi=nmi(lab_b, lab_p),
             transition_tvd=transition_tvd(w_b, w_p),
             transition_row_jsd=transition_row_jsd(w_b, w_p, base.load_SLE[0, pos]),
             transition_self_share_post=self_share(w_p),
         )
-    return row
+    return {f"{prefix}{k}": v for k, v in row.items()}
 
 
 def _nanmean(values: list[float]) -> float:
@@ -191,6 +207,7 @@ def run_retention(
     device: str = "auto",
     progress: bool = True,
     transitions: bool = False,
+    steps_by: str | None = None,
 ) -> dict:
     """Compute, write and return the retention report (report.json, report.md, PNGs in ``out_dir``)."""
     from rpb.retention.markdown import write_markdown
@@ -209,9 +226,14 @@ def run_retention(
         described.append(_describe(model, facts, lay))
     if post:
         check_comparable(described[0], described[1])
-    stats, overlap = collect_routing(models, layers, examples, batch_size, pad_id_of(tok), progress, transitions)
+    steps = None
+    if steps_by is not None:  # the step level comes with the token level
+        transitions = True
+        steps = [step_ids(e.input_ids, e.span_ids, lambda i: tok.decode([i]), steps_by) for e in examples]
+    stats, overlap = collect_routing(models, layers, examples, batch_size, pad_id_of(tok), progress, transitions,
+                                     steps)  # fmt: skip
     info = {"base": str(base), "post": str(post) if post else None, "data": str(data_jsonl), "rows": len(rows),
-            **described[0]}  # fmt: skip
+            **described[0], **({"steps_by": steps_by} if steps_by else {})}  # fmt: skip
     report = build_report(info, stats, overlap, seed, resolution)
 
     out = Path(out_dir)

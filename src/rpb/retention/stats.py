@@ -11,7 +11,7 @@ import torch
 from rpb.prior import SPAN_A, SPAN_Q
 from rpb.retention.communities import CoactivationAccumulator
 from rpb.retention.metrics import topk_overlap_T
-from rpb.retention.transitions import TransitionAccumulator
+from rpb.retention.transitions import StepTransitionAccumulator, TransitionAccumulator
 
 SUBSETS = ("all", "Q", "A")
 
@@ -23,14 +23,16 @@ def subset_masks(valid_T: torch.Tensor, span_T: torch.Tensor) -> list[torch.Tens
 class ModelRouting:
     """One model's utilization counts per subset and co-activation counts, per MoE layer."""
 
-    def __init__(self, num_layers: int, num_experts: int, transitions: bool = False):
+    def __init__(self, num_layers: int, num_experts: int, transitions: bool = False, steps: bool = False):
         self.num_experts = num_experts
         self.load_SLE = torch.zeros(len(SUBSETS), num_layers, num_experts, dtype=torch.float64)
         self.tokens_S = torch.zeros(len(SUBSETS), dtype=torch.int64)
         self.coactivation = CoactivationAccumulator(num_layers, num_experts)
         self.transitions = TransitionAccumulator(num_layers, num_experts) if transitions else None
+        self.step_transitions = StepTransitionAccumulator(num_layers, num_experts) if steps else None
 
-    def add(self, pos: int, ids_TK: torch.Tensor, valid_T: torch.Tensor, span_T: torch.Tensor, rows: int = 1) -> None:
+    def add(self, pos: int, ids_TK: torch.Tensor, valid_T: torch.Tensor, span_T: torch.Tensor, rows: int = 1,
+            step_BT: torch.Tensor | None = None) -> None:  # fmt: skip
         """One layer's routing of a batch of ``rows`` rows flattened row-major (transitions need the rows)."""
         for s, mask_T in enumerate(subset_masks(valid_T, span_T)):
             ids = ids_TK[mask_T].reshape(-1)
@@ -41,6 +43,8 @@ class ModelRouting:
         if self.transitions is not None:
             self.transitions.add(pos, ids_TK.view(rows, -1, ids_TK.shape[-1]), valid_T.view(rows, -1),
                                  span_T.view(rows, -1))  # fmt: skip
+        if self.step_transitions is not None:
+            self.step_transitions.add(pos, ids_TK.view(rows, -1, ids_TK.shape[-1]), step_BT, span_T.view(rows, -1))
 
 
 class PairedOverlap:

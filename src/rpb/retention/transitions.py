@@ -11,10 +11,16 @@ padding). The diagonal -- an expert that persists -- is kept, and its share is r
 normalised as eq. 1 is, by the number of steps counted. Communities come from networkx's Louvain
 on the *directed* graph (directed modularity); nothing is symmetrised.
 
-Shape legend: B rows, T positions, K top-k, E experts, L MoE layers.
+Step level (``--steps-by REGEX``): an answer is cut into steps where the regex matches (a delimiter
+token belongs to the step it ends); each step's expert usage u_j (its selections, normalised) and the
+next step's in the same answer add the outer product u_j u_{j+1}ᵀ.
+
+Shape legend: B rows, T positions, K top-k, E experts, L MoE layers, J steps.
 """
 
 from __future__ import annotations
+
+import re
 
 import networkx as nx
 import torch
@@ -114,3 +120,73 @@ def transition_row_jsd(w_base_EE: torch.Tensor, w_post_EE: torch.Tensor, util_ba
         return float("nan")
     jsd = torch.tensor([jsd_bits(w_base_EE[i] / out_b[i], w_post_EE[i] / out_p[i]) for i in rows], dtype=torch.float64)
     return float((weights / weights.sum() * jsd).sum())
+
+
+# --------------------------------------------------------------------------- step level
+
+
+def step_ids(input_ids: list[int], span_ids: list[int], decode, pattern: str) -> list[int]:
+    """Per token, its answer step (-1 outside answers): steps are numbered through the row, a new answer
+    span starts a new step, and a step ends with the token in which a match of ``pattern`` ends.
+    ``decode(id) -> str`` gives a token's text."""
+    regex = re.compile(pattern)
+    out = [-1] * len(input_ids)
+    step, t = -1, 0
+    while t < len(input_ids):
+        if span_ids[t] != SPAN_A:
+            t += 1
+            continue
+        run = range(t, next((u for u in range(t, len(input_ids)) if span_ids[u] != SPAN_A), len(input_ids)))
+        pieces = [decode(input_ids[u]) for u in run]
+        ends, pos = [], 0
+        for piece in pieces:
+            pos += len(piece)
+            ends.append(pos)
+        cuts = {m.end() for m in regex.finditer("".join(pieces)) if m.end() > 0}
+        step += 1
+        for i, u in enumerate(run):
+            out[u] = step
+            start = ends[i] - len(pieces[i])
+            if any(start < c <= ends[i] for c in cuts) and i + 1 < len(run):
+                step += 1
+        t = run.stop
+    return out
+
+
+class StepTransitionAccumulator:
+    """Per layer: Σ over consecutive steps of one answer of u_j u_{j+1}ᵀ, and the number of such pairs."""
+
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.counts_LEE = torch.zeros(num_layers, num_experts, num_experts, dtype=torch.float64)
+        self.steps_L = torch.zeros(num_layers, dtype=torch.int64)
+
+    def add(self, pos: int, ids_BTK: torch.Tensor, step_BT: torch.Tensor, span_BT: torch.Tensor) -> None:
+        E = self.num_experts
+        for b in range(ids_BTK.shape[0]):
+            steps_T = step_BT[b]
+            keep = steps_T >= 0
+            if not keep.any():
+                continue
+            first, last = int(steps_T[keep].min()), int(steps_T[keep].max())
+            J = last - first + 1
+            onehot_TE = torch.zeros(int(keep.sum()), E, dtype=torch.float64)
+            onehot_TE.scatter_(1, ids_BTK[b][keep].long(), 1.0)
+            u_JE = torch.zeros(J, E, dtype=torch.float64).index_add_(0, steps_T[keep] - first, onehot_TE)
+            u_JE = u_JE / u_JE.sum(1, keepdim=True).clamp(min=1)
+            # consecutive steps of one answer: the step after j starts right where j ends, inside an answer
+            span_T = span_BT[b]
+            positions = torch.nonzero(keep).flatten()
+            boundary = [(int(steps_T[positions[i]]) - first, int(steps_T[positions[i + 1]]) - first)
+                        for i in range(len(positions) - 1)
+                        if steps_T[positions[i + 1]] == steps_T[positions[i]] + 1
+                        and positions[i + 1] == positions[i] + 1 and span_T[positions[i + 1]] == SPAN_A]  # fmt: skip
+            for j, k in boundary:
+                self.counts_LEE[pos] += torch.outer(u_JE[j], u_JE[k])
+                self.steps_L[pos] += 1
+
+    def graph(self, pos: int) -> torch.Tensor:
+        steps = int(self.steps_L[pos])
+        if steps <= 0:
+            raise ValueError("empty selection: no consecutive answer steps to count transitions over")
+        return self.counts_LEE[pos] / steps
