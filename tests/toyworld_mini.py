@@ -1,9 +1,10 @@
 """A miniature toy-world study (seconds, not hours), shared by the tests and their killed subprocess.
 
-``python -m tests.toyworld_mini OUT CACHE`` runs it to the end (or until killed).
+``python -m tests.toyworld_mini OUT CACHE [mini|mini-cot]`` runs it to the end (or until killed).
 """
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rpb.toyworld.base import BaseRecipe
@@ -19,10 +20,18 @@ MINI_GRID = Grid("mini", ("math_post",), (Arm("lbl", "lbl"), Arm("rpb", "rpb")),
                  candidates={"lbl": (0.01, 0.1)})  # fmt: skip
 
 
-def mini_study(out, cache) -> Study:
-    return Study(Path(out), MINI_GRID, MINI_POST, cache_dir=Path(cache), progress=False)
+#: the long-trace grid in miniature: the trace set, sft and a within-transition control, one seed
+MINI_COT_GRID = Grid("mini-cot", ("sum_trace",),
+                     (Arm("sft", "sft"), Arm("within-transition-soft", "within-transition-soft")), (42,),
+                     tables=("cot",))  # fmt: skip
+MINI_COT_POST = replace(MINI_POST, max_seq_len=128, probe_rows=12)
+GRIDS = {"mini": (MINI_GRID, MINI_POST), "mini-cot": (MINI_COT_GRID, MINI_COT_POST)}
+
+
+def mini_study(out, cache, grid: str = "mini") -> Study:
+    return Study(Path(out), *GRIDS[grid], cache_dir=Path(cache), progress=False)
 
 
 if __name__ == "__main__":
-    study = mini_study(sys.argv[1], sys.argv[2])
+    study = mini_study(*sys.argv[1:4])
     study.report(study.run())

@@ -270,9 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = add("experiment", help="the toy-world study: every anchor x seeds x post-training sets, tables")
     x.add_argument(
-        "--grid", default="small", choices=["headline", "full", "small", "beta"],
+        "--grid", default="small", choices=["headline", "full", "small", "beta", "cot"],
         help="headline: sft, lbl, rpb, rpb at the calibrated beta x 3 seeds x 2 sets x 3 bases; full: every method "
-        "x 3 seeds x 2 sets x 3 bases; beta: rpb over beta, likewise; small: 4 methods x 1 seed on the math set",
+        "x 3 seeds x 2 sets x 3 bases; beta: rpb over beta, likewise; small: 4 methods x 1 seed on the math set; "
+        "cot: sft, lbl, rpb and the four within-* controls x 3 seeds on the long-trace set, base 0, with "
+        "transition retention",
     )  # fmt: skip
     x.add_argument("--out", help="output directory (default: rpb-experiment-<grid>); rerun to resume")
     x.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")

@@ -8,14 +8,16 @@ from collections import Counter
 
 import pytest
 
+from rpb.toyworld.knowledge import FACT_ATTRIBUTES, knowledge_base
 from rpb.toyworld.tasks import (
     DOMAINS,
-    FACT_ATTRIBUTES,
     POST_SETS,
+    TRACE_SETS,
     Task,
+    answer_budget,
     generate,
     is_correct,
-    knowledge_base,
+    line_accuracy,
     mixture,
     question_space,
     sample,
@@ -24,6 +26,7 @@ from rpb.toyworld.tasks import (
 )
 
 ALL = DOMAINS + POST_SETS
+WITH_TRACES = ALL + TRACE_SETS
 KB = knowledge_base(200)  # the larger world; the default (50 entities) is its prefix
 
 
@@ -82,14 +85,29 @@ def _fact(q: str) -> str:
     return KB[entity][attribute]
 
 
-SOLVERS = {"math": _arith, "math_post": _arith, "code": _code, "code_post": _code, "text": _text, "facts": _fact}
+def _trace(q: str) -> str:
+    """A running sum written out by hand: one line per term, partials least-significant digit first."""
+    m = re.fullmatch(r"rev sum ((?:[a-g]\d ?)+)", q)
+    assert m, q
+    terms = m[1].split()
+    assert [t[0] for t in terms] == list("abcdefg"[: len(terms)]), q
+    lines, before = [], 0
+    for term in terms:
+        after = before + int(term[1])
+        lines.append(term[0] + " " + str(before)[::-1] + "+" + term[1] + "=" + str(after)[::-1])
+        before = after
+    return "\n".join(lines)
+
+
+SOLVERS = {"math": _arith, "math_post": _arith, "code": _code, "code_post": _code, "text": _text, "facts": _fact,
+           "sum_trace": _trace}  # fmt: skip
 
 
 def _questions(tasks):
     return [t.question for t in tasks]
 
 
-@pytest.mark.parametrize("domain", ALL)
+@pytest.mark.parametrize("domain", WITH_TRACES)
 def test_same_seed_same_list_and_other_seeds_differ(domain):
     assert sample(domain, 50, seed=3) == sample(domain, 50, seed=3)
     assert sample(domain, 50, seed=3, split="heldout") == sample(domain, 50, seed=3, split="heldout")
@@ -98,7 +116,7 @@ def test_same_seed_same_list_and_other_seeds_differ(domain):
     assert [generate(domain, a) for _ in range(20)] == [generate(domain, b) for _ in range(20)]
 
 
-@pytest.mark.parametrize("domain", ALL)
+@pytest.mark.parametrize("domain", WITH_TRACES)
 def test_answers_match_an_independent_evaluation(domain):
     tasks = sample(domain, 300, seed=0) + sample(domain, 100, seed=0, split="heldout")
     for task in tasks:
@@ -159,7 +177,7 @@ def test_every_heldout_fact_phrasing_asks_a_fact_taught_in_train():
         sample("facts", 601, seed=0, split="heldout", n_entities=200)
 
 
-@pytest.mark.parametrize("domain", ALL)
+@pytest.mark.parametrize("domain", WITH_TRACES)
 def test_train_and_heldout_never_overlap(domain):
     n_train, n_held = (600, 150) if domain == "facts" else (5000, 800)  # facts: all of the 50 default entities
     train = sample(domain, n_train, seed=0)
@@ -169,7 +187,7 @@ def test_train_and_heldout_never_overlap(domain):
     assert {split_of(t) for t in train} == {"train"} and {split_of(t) for t in held} == {"heldout"}
 
 
-@pytest.mark.parametrize("domain", ["math", "code", "text", "math_post", "code_post"])
+@pytest.mark.parametrize("domain", ["math", "code", "text", "math_post", "code_post", "sum_trace"])
 def test_hashed_split_is_the_documented_sha256_rule(domain):
     def held(q: str) -> bool:
         return int(hashlib.sha256(q.encode()).hexdigest()[:16], 16) / 2**64 < 0.15
@@ -195,6 +213,41 @@ def test_is_correct_ignores_surrounding_whitespace_only():
     for near in ("1 2 4", "1 2  3", "123", "1 2", "1 2 3 4", "3 2 1", "1 2 3.", ""):
         assert not is_correct(task, near), near
     assert not is_correct(Task("math", "rev 47+85=", "231"), "132")
+
+
+def test_traces_are_five_to_seven_lines_and_fit_their_budgets():
+    from rpb.testing.tokenizers import moonlight_tokenizer
+    from rpb.toyworld.base import encode_tasks
+    from rpb.toyworld.experiment import COT_POST
+
+    tasks = sample("sum_trace", 2000, seed=7)
+    assert {len(t.answer.split("\n")) for t in tasks} == {5, 6, 7}
+    assert all(set(t.question + t.answer) <= set(string.printable) for t in tasks)
+    assert question_space("sum_trace") == 10**5 + 10**6 + 10**7
+    # the longest trace there is: seven 9s (every partial after the first has two digits)
+    longest = Task("sum_trace", "rev sum a9 b9 c9 d9 e9 f9 g9", _trace("rev sum a9 b9 c9 d9 e9 f9 g9"))
+    assert longest.answer.split("\n")[-1] == "g 45+9=36"
+    tok = moonlight_tokenizer()
+    ((ids, labels),) = encode_tasks(tok, [longest])
+    assert len(ids) <= COT_POST.max_seq_len  # nothing truncated
+    answer_tokens = sum(label != -100 for label in labels)  # the answer and its end-of-turn token
+    assert answer_tokens <= answer_budget("sum_trace")
+    assert answer_budget("math") == 16 and all(len(tok(t.answer)["input_ids"]) < 16 for t in sample("math", 50, 0))
+    with pytest.raises(ValueError, match="terms"):
+        sample("sum_trace", 1, seed=0, terms=(4, 7))
+
+
+def test_a_trace_is_scored_on_its_final_line_and_line_by_line():
+    task = Task("sum_trace", "rev sum a4 b7 c1 d9 e3", "a 0+4=4\nb 4+7=11\nc 11+1=21\nd 21+9=12\ne 12+3=42")
+    assert task.answer == _trace(task.question)
+    assert is_correct(task, task.answer) and line_accuracy(task, task.answer) == 1.0
+    assert is_correct(task, " e 12+3=42\n") and line_accuracy(task, "e 12+3=42") == 0.0  # the final line alone
+    wrong_middle = "a 0+4=4\nb 4+7=12\nc 21+1=31\nd 21+9=12\ne 12+3=42"
+    assert is_correct(task, wrong_middle) and line_accuracy(task, wrong_middle) == 3 / 5
+    assert not is_correct(task, task.answer + "\nf 42+1=52")  # a line too many: the final line is wrong
+    assert line_accuracy(task, task.answer + "\nf 42+1=52") == 1.0  # lines past the reference's are not counted
+    assert not is_correct(task, "a 0+4=4\nb 4+7=11") and line_accuracy(task, "a 0+4=4\nb 4+7=11") == 2 / 5
+    assert not is_correct(task, "e 12+3=24") and line_accuracy(task, "") == 0.0
 
 
 def test_to_messages():

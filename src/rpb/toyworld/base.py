@@ -27,7 +27,16 @@ from rpb.data.jsonl import MessagesRow
 from rpb.prior import STRUCTURAL
 from rpb.testing.models import tiny_config
 from rpb.testing.tokenizers import moonlight_tokenizer
-from rpb.toyworld.tasks import DOMAINS, N_ENTITIES, Task, is_correct, question_space, sample, to_messages
+from rpb.toyworld.knowledge import N_ENTITIES
+from rpb.toyworld.tasks import (
+    DOMAINS,
+    Task,
+    answer_budget,
+    is_correct,
+    question_space,
+    sample,
+    to_messages,
+)
 from rpb.train import deterministic_algorithms
 
 
@@ -120,27 +129,36 @@ def _batch(encoded, pad_id: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def exact_match(model, tokenizer, tasks: list[Task], batch_size: int = 64, max_new_tokens: int = 16) -> float:
-    """Greedy decoding from the rendered prompt; the fraction answered exactly."""
+def greedy_answers(
+    model, tokenizer, tasks: list[Task], batch_size: int = 64, max_new_tokens: int | None = None
+) -> list[str]:
+    """Greedy decoding from each task's rendered prompt, up to ``max_new_tokens`` (default: the budget of
+    the batch's domains, ``answer_budget``); the decoded answers, in order."""
     template = ChatTemplate(tokenizer)
     was_training, side = model.training, tokenizer.padding_side
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    right = 0
+    answers = []
     try:
         model.eval()
         tokenizer.padding_side = "left"  # prompts end where generation starts
         for start in range(0, len(tasks), batch_size):
             chunk = tasks[start : start + batch_size]
+            budget = max_new_tokens or max(answer_budget(t.domain) for t in chunk)
             prompts = [template.render_reference(to_messages(t))[0] for t in chunk]
             enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+            out = model.generate(**enc, max_new_tokens=budget, do_sample=False, eos_token_id=eos,
                                  pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-            for task, row in zip(chunk, out[:, enc["input_ids"].shape[1] :], strict=True):
-                right += is_correct(task, tokenizer.decode(row, skip_special_tokens=True))
+            answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
-    return right / max(len(tasks), 1)
+    return answers
+
+
+def exact_match(model, tokenizer, tasks: list[Task], batch_size: int = 64, max_new_tokens: int | None = None) -> float:
+    """The fraction of ``tasks`` answered exactly (``is_correct``) by greedy decoding."""
+    answers = greedy_answers(model, tokenizer, tasks, batch_size, max_new_tokens)
+    return sum(map(is_correct, tasks, answers)) / max(len(tasks), 1)
 
 
 def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_domain: int = 150) -> dict:

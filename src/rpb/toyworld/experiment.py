@@ -30,7 +30,7 @@ from rpb.anchors import METHODS, get_method
 from rpb.data import file_sha256
 from rpb.errors import RpbError
 from rpb.fileio import write_json_atomic, write_text_atomic
-from rpb.toyworld.tasks import POST_SETS, sample
+from rpb.toyworld.tasks import POST_SETS, TRACE_SETS, sample
 from rpb.toyworld.world import PostRecipe, ensure_base, mechanism, probe_tasks, score, train_cell, write_rows
 
 #: the demo's fixed weight (no search, to fit its time budget): the pretraining's load-balancing weight
@@ -89,17 +89,28 @@ BASES = (0, 1, 2)
 #: about 75 test phrasings) and every cell scored on the validation part too; the demo keeps PostRecipe()
 STUDY_POST = PostRecipe(eval_id=500, eval_ood=300, score_parts=("validation", "test"))
 CALIBRATED = Arm("rpb calibrated", "rpb", calibrated=True)
+#: the long-trace grid's recipe: the grids' scoring with room for a 7-line trace (at most 123 tokens)
+COT_POST = dataclasses.replace(STUDY_POST, max_seq_len=128)
+#: one step of a trace is one line (``rpb retention --steps-by``)
+TRACE_STEPS = "\n"
 GRIDS: dict[str, Grid] = {
     "headline": Grid("headline", POST_SETS, (*_arms("sft", "lbl", "rpb"), CALIBRATED), SEEDS,
                      tables=("main", "mechanism"), bases=BASES, post=STUDY_POST),
     "full": Grid("full", POST_SETS, _arms(*PAPER_METHODS), SEEDS, tables=("main", "forms", "controls", "mechanism"),
                  bases=BASES, post=STUDY_POST),
+    "cot": Grid("cot", TRACE_SETS, _arms("sft", "lbl", "rpb", "within-soft", "within-hard", "within-transition-soft",
+                                          "within-transition-hard"), SEEDS, tables=("cot", "mechanism"), post=COT_POST),
     "small": Grid("small", ("math_post",), _arms("sft", "lbl", "rpb", "kl-to-base"), (42,), tables=("main", "forms")),
     "beta": Grid("beta", POST_SETS, BETA_ARMS, SEEDS, coefficients={}, tables=("beta", "mechanism"), bases=BASES,
                  post=STUDY_POST),
     "demo": Grid("demo", ("math_post",), (*_arms("sft", "lbl", "rpb"), CALIBRATED), (42,), DEMO_COEFFICIENTS,
                  ("demo", "mechanism")),
 }  # fmt: skip
+
+
+#: the transition levels a trace grid's cells keep from ``rpb retention --transitions --steps-by``
+TRANSITION_KEYS = tuple(f"{level}transition_{k}" for level in ("", "step_")
+                        for k in ("nmi", "tvd", "row_jsd", "communities_base"))  # fmt: skip
 
 
 class GridChangedError(RpbError):
@@ -166,10 +177,16 @@ class Study:
             write_rows(sample(post_set, self.post.train_rows, seed=self.post.data_seed), path)
         return path
 
+    @property
+    def trace_set(self) -> str | None:
+        """The grid's trace set (``TRACE_SETS``), if it has one: then retention is measured on its
+        traces and carries the transition levels."""
+        return next((s for s in self.grid.sets if s in TRACE_SETS), None)
+
     def probe(self) -> Path:
         path = self.out / "data" / "probe.jsonl"
         if not path.is_file():
-            write_rows(probe_tasks(self.post), path)
+            write_rows(probe_tasks(self.post, self.trace_set), path)
         return path
 
     def prior(self, post_set: str) -> Path:
@@ -256,9 +273,12 @@ class Study:
         if retention:
             from rpb.retention.run import run_retention
 
+            traces = self.trace_set is not None
             report = run_retention(str(self.base()), self.probe(), where / "retention", post=str(ckpt),
-                                   batch_size=64, max_seq_len=self.post.max_seq_len, progress=False)  # fmt: skip
-            result["retention"] = {k: report["mean"][k] for k in ("tvd", "jsd", "topk_overlap", "nmi")}
+                                   batch_size=64, max_seq_len=self.post.max_seq_len, progress=False,
+                                   transitions=traces, steps_by=TRACE_STEPS if traces else None)  # fmt: skip
+            keys = ("tvd", "jsd", "topk_overlap", "nmi") + (TRANSITION_KEYS if traces else ())
+            result["retention"] = {k: report["mean"][k] for k in keys}
             result["mechanism"] = mechanism(self.base(), ckpt, self.prior(post_set), self.data(post_set))
         result["seconds"] = {"train": train_s, "evaluate": time.perf_counter() - started}
         if not self.keep_checkpoints:

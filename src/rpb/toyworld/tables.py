@@ -18,6 +18,9 @@ from rpb.anchors import get_method
 #: changed during training, and after training the overlap with the base's own sets and with the prior's top-k
 MECHANISM_KEYS = ("start_displacement", "bias_changed", "overlap_base", "overlap_prior")
 
+#: the long-trace table: exact match of the final line and of every line, static and transition retention
+COT_COLUMNS = ("id", "id_lines", "ood", "tvd", "nmi", "transition_tvd", "transition_row_jsd", "transition_nmi",
+               "step_transition_nmi")  # fmt: skip
 #: the table kinds a grid can ask for: title, columns, and whether its rows are every arm of the grid
 #: (in grid order) or only the arms whose method the methods table lists in this kind of table
 #: (``Method.tables``), in grid order too
@@ -27,16 +30,25 @@ TABLES: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "controls": ("Interventional controls", ("id", "ood", "nmi"), False),
     "beta": ("Enforcement strength (beta)", ("id", "ood", "tvd", "topk_overlap", "nmi"), True),
     "demo": ("Demo", ("id", "ood", "tvd", "topk_overlap", "nmi"), True),
+    "cot": (
+        "Long traces: final line, line by line, and retention on the traces (static | transition | step)",
+        COT_COLUMNS,
+        True,
+    ),
     "mechanism": ("Mechanism: what the training did to the base's routing (content tokens)", MECHANISM_KEYS, True),
 }
-HEADERS = {"id": "ID %", "ood": "OOD %", "tvd": "TVD", "topk_overlap": "top-k overlap", "nmi": "NMI",
+#: exact-match figures, shown in percent (``id_lines``: a trace's lines, ``rpb.toyworld.tasks.line_accuracy``)
+PERCENT = ("id", "id_lines", "ood")
+HEADERS = {"id": "ID %", "id_lines": "ID lines %", "ood": "OOD %", "tvd": "TVD", "topk_overlap": "top-k overlap",
+           "nmi": "NMI", "transition_tvd": "transition TVD", "transition_row_jsd": "transition row JSD",
+           "transition_nmi": "transition NMI", "step_transition_nmi": "step NMI",
            "start_displacement": "displaced before training", "bias_changed": "changed during training",
            "overlap_base": "overlap with base sets", "overlap_prior": "overlap with prior top-k"}  # fmt: skip
 
 
 def value(result: dict, key: str) -> float:
-    if key in ("id", "ood"):
-        return 100.0 * result[key]
+    if key in PERCENT:
+        return 100.0 * result[key] if key in result else math.nan
     if key in MECHANISM_KEYS:
         v = result.get("mechanism", {}).get(key)
         return math.nan if v is None else float(v)
@@ -53,7 +65,7 @@ def aggregate(results: list[dict]) -> dict[tuple[str, str], dict[str, list[float
 
 
 def fmt(values: list[float], key: str) -> str:
-    digits = 1 if key in ("id", "ood") else 3
+    digits = 1 if key in PERCENT else 3
     vals = [v for v in values if not math.isnan(v)]
     if not vals:
         return "n/a"
@@ -74,7 +86,7 @@ def table(
     head = ["method"] + [f"{s} {HEADERS[c]}" if len(sets) > 1 else HEADERS[c] for s in sets for c in cols]
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if base:  # retention of the base against itself is trivial (TVD 0, overlap 1, NMI 1): not shown
-        cells = [fmt([100.0 * base[s][c]], c) if c in ("id", "ood") else "—" for s in sets for c in cols]
+        cells = [fmt([100.0 * base[s][c]], c) if c in PERCENT and c in base[s] else "—" for s in sets for c in cols]
         lines.append("| *base (before post-training)* | " + " | ".join(cells) + " |")
     for arm in rows:
         cells = [fmt(agg[(s, arm)][c], c) if (s, arm) in agg else "n/a" for s in sets for c in cols]

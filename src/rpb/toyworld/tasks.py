@@ -1,6 +1,6 @@
 """Seeded generators of short question/answer tasks: the toy world's pretraining and post-training data.
 
-Every question is short (<= 40 characters with the defaults), every answer is short (<= 12
+Every question is short (<= 40 characters with the defaults), every answer but a trace's is short (<= 12
 characters) and checked by exact match, and only ``string.printable`` characters appear (the
 character-level toy tokenizer's charset), so a tiny MoE transformer (hidden 128, 4 layers) can
 learn all domains in minutes on a CPU.
@@ -14,12 +14,25 @@ text       ``double kiw``                  ``kkiiww``      reverse / upper / fir
 facts      ``capital of Sogania?``         ``Detano``      recall from a fixed invented knowledge base
 math_post  ``rev 47+85+36=``               ``861``         three-term sums a+b+c, digits reversed
 code_post  ``sort|reverse 3 1 2``          ``3 2 1``       two-step pipelines of the code operations
+sum_trace  ``rev sum a4 b7 c1 d9 e3``      5-7 lines       a running sum, one line per partial (below)
 =========  ==============================  ==============  ===========================================
 
 ``math_post`` and ``code_post`` play the roles of the paper's math20k and coding20k: same
 domain and answer conventions as pretraining, shifted to harder compositions (a third term; a
 second operation). ``math_post`` also has the form ``a+b-c`` (a subtraction step; ``form=``),
 which small models learn far more slowly.
+
+``sum_trace`` is the long-trace set (``TRACE_SETS``): a step-by-step answer of 5 to 7 lines, one
+per term, each written out as ``<label> <partial so far>+<term>=<new partial>`` with every partial
+least-significant digit first, as the math domain writes its answers::
+
+    rev sum a4 b7 c1 d9 e3   ->   a 0+4=4 / b 4+7=11 / c 11+1=21 / d 21+9=12 / e 12+3=42
+
+(lines separated by newlines). Each line needs only the line before it and the term its label
+names in the question: a copy, a lookup by label and a one-carry addition. Exact match
+(``is_correct``) scores the final line, ``line_accuracy`` the trace line by line. Its answers
+(up to 67 characters) do not fit the short sets' generation budget or ``PostRecipe.max_seq_len``;
+``answer_budget`` gives each set's generation length.
 
 Digit order. Answers to arithmetic are written least-significant digit first by default
 (``reverse=True``; the question says so with its ``rev`` prefix). A left-to-right decoder that
@@ -45,13 +58,15 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+
+from rpb.toyworld.knowledge import FACT_ATTRIBUTES, FACT_TEMPLATES, N_ENTITIES, kb, parse_fact
 
 DOMAINS = ("math", "code", "text", "facts")
 POST_SETS = ("math_post", "code_post")
+#: post-training sets whose answers are step-by-step traces, one step per line (see the docstring)
+TRACE_SETS = ("sum_trace",)
 SPLITS = ("train", "heldout")
 
 HELDOUT_FRACTION = 0.15  # of each hashed domain's questions; facts hold out 1 of their 5 phrasings
@@ -189,6 +204,33 @@ def _lists_size(n_ops: int, lengths: tuple[int, int], alphabet: int) -> int:
     return n_ops * sum(alphabet**k for k in range(lengths[0], lengths[1] + 1))
 
 
+# --------------------------------------------------------------------------- traces: a running sum, line by line
+
+_TRACE_LABELS = "abcdefg"  # one label per term; 7 terms at most
+
+
+def _check_terms(terms: tuple[int, int]) -> None:
+    lo, hi = terms
+    if not 5 <= lo <= hi <= len(_TRACE_LABELS):
+        raise ValueError(f"terms must be (lo, hi) with 5 <= lo <= hi <= {len(_TRACE_LABELS)}, got {terms!r}")
+
+
+def _sum_trace(rng: random.Random, terms: tuple[int, int] = (5, 7)) -> Task:
+    _check_terms(terms)
+    xs = _digits(rng, terms)
+    question = "rev sum " + " ".join(f"{label}{x}" for label, x in zip(_TRACE_LABELS, xs, strict=False))
+    lines, total = [], 0
+    for label, x in zip(_TRACE_LABELS, xs, strict=False):  # xs has at most 7 terms
+        lines.append(f"{label} {str(total)[::-1]}+{x}={str(total + x)[::-1]}")
+        total += x
+    return Task("sum_trace", question, "\n".join(lines))
+
+
+def _sum_trace_size(terms: tuple[int, int] = (5, 7)) -> int:
+    _check_terms(terms)
+    return sum(10**k for k in range(terms[0], terms[1] + 1))
+
+
 # --------------------------------------------------------------------------- text: string transforms
 
 TEXT_OPS: dict[str, Callable[[str], str]] = {
@@ -211,83 +253,21 @@ def _text(rng: random.Random, ops: Sequence[str] = tuple(TEXT_OPS), lengths: tup
 
 # --------------------------------------------------------------------------- facts: an invented world
 
-#: The knowledge base depends on this seed only, never on the seed of a sample or a split.
-KB_SEED = 20260912
-#: entities in the knowledge base (3 facts each), the toy world's base recipe's size: 50 entities were
-#: learnt in 10 minutes of pretraining on 2 cores, 200 were not (see ``BaseRecipe.facts_entities``)
-N_ENTITIES = 50
-FACT_ATTRIBUTES = ("capital", "language", "color")
-_COLORS = ("red", "blue", "green", "gold", "black", "white", "purple", "orange")
-FACT_TEMPLATES = (
-    "{attr} of {ent}?",
-    "{ent}'s {attr}?",
-    "What is {ent}'s {attr}?",
-    "Tell me the {attr} of {ent}.",
-    "{ent}: {attr}?",
-)
-# Each template as a regex, to read (entity, attribute, template) back from a question.
-_TEMPLATE_RES = tuple(
-    re.compile(
-        re.escape(t)
-        .replace(re.escape("{attr}"), "(?P<attr>[a-z]+)")
-        .replace(re.escape("{ent}"), "(?P<ent>[A-Z][a-z]+)")
-    )
-    for t in FACT_TEMPLATES
-)
-
-
-def _syllables(rng: random.Random, k: int) -> str:
-    return "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(k))
-
-
-@lru_cache(maxsize=8)
-def _kb(n_entities: int) -> tuple[tuple[str, dict[str, str]], ...]:
-    if n_entities < 1:
-        raise ValueError(f"n_entities must be >= 1, got {n_entities}")
-    rng, used = random.Random(KB_SEED), set()
-
-    def fresh(make: Callable[[], str]) -> str:  # every name in the world is distinct
-        while (name := make().capitalize()) in used:
-            pass
-        used.add(name)
-        return name
-
-    rows = []
-    # Entities are drawn one after another from one stream, so a smaller world is a prefix of a larger one.
-    for _ in range(n_entities):
-        entity = fresh(lambda: _syllables(rng, rng.randint(2, 3)) + rng.choice(("nia", "ria", "dor", "land", "mar")))
-        capital = fresh(lambda: _syllables(rng, rng.randint(2, 3)) + rng.choice(("", "n", "l", "s")))
-        language = fresh(lambda: _syllables(rng, 2) + rng.choice("nlrst") + rng.choice(("ish", "ese", "ic")))
-        rows.append((entity, {"capital": capital, "language": language, "color": rng.choice(_COLORS)}))
-    return tuple(rows)
-
-
-def knowledge_base(n_entities: int = N_ENTITIES) -> dict[str, dict[str, str]]:
-    """entity -> {attribute: value}, the same on every call and every machine."""
-    return {entity: dict(attrs) for entity, attrs in _kb(n_entities)}
-
 
 def _fact_task(entity: str, attrs: dict[str, str], attr: str, template: int) -> Task:
     return Task("facts", FACT_TEMPLATES[template].format(attr=attr, ent=entity), attrs[attr])
 
 
 def _facts(rng: random.Random, n_entities: int = N_ENTITIES) -> Task:
-    entity, attrs = rng.choice(_kb(n_entities))
+    entity, attrs = rng.choice(kb(n_entities))
     return _fact_task(entity, attrs, rng.choice(FACT_ATTRIBUTES), rng.randrange(len(FACT_TEMPLATES)))
 
 
 def _facts_all(n_entities: int = N_ENTITIES) -> Iterator[Task]:
-    for entity, attrs in _kb(n_entities):
+    for entity, attrs in kb(n_entities):
         for attr in FACT_ATTRIBUTES:
             for template in range(len(FACT_TEMPLATES)):
                 yield _fact_task(entity, attrs, attr, template)
-
-
-def _parse_fact(question: str) -> tuple[str, str, int]:
-    for template, pattern in enumerate(_TEMPLATE_RES):
-        if (m := pattern.fullmatch(question)) and m["attr"] in FACT_ATTRIBUTES:
-            return m["ent"], m["attr"], template
-    raise ValueError(f"not a facts question in any known template: {question!r}")
 
 
 # --------------------------------------------------------------------------- registry
@@ -298,6 +278,7 @@ class _Domain:
     generate: Callable[..., Task]
     size: Callable[..., int]  # the number of distinct questions for the given params
     enumerate: Callable[..., Iterator[Task]] | None = None  # only where generate is uniform over it
+    new_tokens: int = 16  # greedy decoding's budget: the longest answer and its end-of-turn token fit
 
 
 _REGISTRY: dict[str, _Domain] = {
@@ -311,13 +292,14 @@ _REGISTRY: dict[str, _Domain] = {
     "code_post": _Domain(
         _code_post, lambda pipelines=CODE_POST_PIPELINES, lengths=(3, 6): _lists_size(len(pipelines), lengths, 10)
     ),
+    "sum_trace": _Domain(_sum_trace, _sum_trace_size, new_tokens=80),
 }
 _ENUMERATE_LIMIT = 100_000  # smaller spaces are listed in full, so sample() is exact and never stalls
 
 
 def _domain(domain: str) -> _Domain:
     if domain not in _REGISTRY:
-        raise ValueError(f"unknown domain {domain!r}; choose one of {DOMAINS + POST_SETS}")
+        raise ValueError(f"unknown domain {domain!r}; choose one of {DOMAINS + POST_SETS + TRACE_SETS}")
     return _REGISTRY[domain]
 
 
@@ -347,7 +329,7 @@ def question_space(domain: str, **params) -> int:
 def split_of(task: Task) -> str:
     """ "train" or "heldout", a function of the question text only (see the module docstring)."""
     if task.domain == "facts":
-        entity, attr, template = _parse_fact(task.question)
+        entity, attr, template = parse_fact(task.question)
         held = template == int(stable_unit(f"{entity}/{attr}") * len(FACT_TEMPLATES))
     else:
         held = stable_unit(task.question) < HELDOUT_FRACTION
@@ -416,9 +398,27 @@ def mixture(
     return tasks
 
 
+def answer_budget(domain: str) -> int:
+    """How many tokens greedy decoding may generate for an answer of ``domain``."""
+    return _domain(domain).new_tokens
+
+
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.strip().split("\n")]
+
+
 def is_correct(task: Task, prediction: str) -> bool:
-    """Exact match, ignoring whitespace around the prediction."""
+    """Exact match, ignoring whitespace around the prediction; a trace's final line against the reference's."""
+    if task.domain in TRACE_SETS:
+        return _lines(prediction)[-1] == _lines(task.answer)[-1]
     return prediction.strip() == task.answer
+
+
+def line_accuracy(task: Task, prediction: str) -> float:
+    """The fraction of the reference's lines that the prediction's line at the same place matches exactly
+    (missing lines are wrong; lines past the reference's last are not counted)."""
+    want, got = _lines(task.answer), _lines(prediction)
+    return sum(i < len(got) and got[i] == line for i, line in enumerate(want)) / len(want)
 
 
 def to_messages(task: Task, system: str | None = "") -> list[dict[str, str]]:

@@ -28,12 +28,15 @@ from rpb.anchors import AnchorConfig, get_method
 from rpb.config import DataSection, RunConfig, TrainSection
 from rpb.fileio import atomic_path
 from rpb.models import load_causal_lm, load_tokenizer
-from rpb.toyworld.base import BaseRecipe, default_cache_dir, exact_match, pretrain
+from rpb.toyworld.base import BaseRecipe, default_cache_dir, greedy_answers, pretrain
+from rpb.toyworld.knowledge import FACT_TEMPLATES
 from rpb.toyworld.tasks import (
     DOMAINS,
-    FACT_TEMPLATES,
     POST_SETS,
+    TRACE_SETS,
     Task,
+    is_correct,
+    line_accuracy,
     question_space,
     sample,
     stable_unit,
@@ -124,10 +127,14 @@ def write_rows(tasks: list[Task], path: Path) -> Path:
     return path
 
 
-def probe_tasks(post: PostRecipe) -> list[Task]:
-    """Held-out conversations of every domain and both post sets, in equal shares: the retention probe."""
-    names = DOMAINS + POST_SETS
+def probe_tasks(post: PostRecipe, trace_set: str | None = None) -> list[Task]:
+    """The retention probe: held-out conversations of every domain and both post sets, in equal shares;
+    or, for a trace set, its held-out traces alone (transition graphs need long answers, which the
+    other sets' few-token answers would only dilute)."""
     params = post.base.domain_params()
+    if trace_set is not None:
+        return eval_tasks(trace_set, "test", post.probe_rows, params)
+    names = DOMAINS + POST_SETS
     per = post.probe_rows // len(names)
     return [t for d in names for t in eval_tasks(d, "test", per, params)]
 
@@ -167,14 +174,22 @@ def between_domain_jsd(base: Path, post: PostRecipe, batch_size: int = 64) -> fl
 
 
 def score(model_dir: str | Path, post_set: str, post: PostRecipe, part: str = "test") -> dict:
-    """ID / OOD exact match of a checkpoint (greedy), per domain and summarised."""
+    """ID / OOD exact match of a checkpoint (greedy), per domain and summarised; a trace set (``TRACE_SETS``)
+    is scored on its final line (``id``) and line by line (``id_lines``, the mean ``line_accuracy``)."""
     tokenizer = load_tokenizer(str(model_dir))
     model = load_causal_lm(str(model_dir))
     params = post.base.domain_params()
     sizes = {post_set: post.eval_id} | dict.fromkeys(DOMAINS, post.eval_ood)
-    per_domain = {d: exact_match(model, tokenizer, eval_tasks(d, part, n, params)) for d, n in sizes.items()}
+    per_domain, lines = {}, None
+    for d, n in sizes.items():
+        tasks = eval_tasks(d, part, n, params)
+        answers = greedy_answers(model, tokenizer, tasks)
+        per_domain[d] = sum(map(is_correct, tasks, answers)) / max(len(tasks), 1)
+        if d in TRACE_SETS:
+            lines = sum(map(line_accuracy, tasks, answers)) / max(len(tasks), 1)
     ood = sum(per_domain[d] for d in DOMAINS) / len(DOMAINS)
-    return {"id": per_domain[post_set], "ood": ood, "per_domain": per_domain, "part": part}
+    out = {"id": per_domain[post_set], "ood": ood, "per_domain": per_domain, "part": part}
+    return out if lines is None else out | {"id_lines": lines}
 
 
 def train_cell(
