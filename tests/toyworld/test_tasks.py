@@ -86,14 +86,17 @@ def _fact(q: str) -> str:
 
 
 def _trace(q: str) -> str:
-    """A running sum written out by hand: one line per term, partials least-significant digit first."""
-    m = re.fullmatch(r"rev sum ((?:[a-g]\d ?)+)", q)
+    """A running sum written out by hand: one line per term, partials modulo 10 (``sum%10``) or in full with
+    their digits reversed (``rev sum``)."""
+    m = re.fullmatch(r"(rev sum|sum%10) ((?:[a-g]\d ?)+)", q)
     assert m, q
-    terms = m[1].split()
+    terms = m[2].split()
     assert [t[0] for t in terms] == list("abcdefg"[: len(terms)]), q
     lines, before = [], 0
     for term in terms:
         after = before + int(term[1])
+        if m[1] == "sum%10":
+            after %= 10
         lines.append(term[0] + " " + str(before)[::-1] + "+" + term[1] + "=" + str(after)[::-1])
         before = after
     return "\n".join(lines)
@@ -222,32 +225,38 @@ def test_traces_are_five_to_seven_lines_and_fit_their_budgets():
 
     tasks = sample("sum_trace", 2000, seed=7)
     assert {len(t.answer.split("\n")) for t in tasks} == {5, 6, 7}
+    assert all(t.question.startswith("sum%10 ") for t in tasks)
     assert all(set(t.question + t.answer) <= set(string.printable) for t in tasks)
     assert question_space("sum_trace") == 10**5 + 10**6 + 10**7
-    # the longest trace there is: seven 9s (every partial after the first has two digits)
-    longest = Task("sum_trace", "rev sum a9 b9 c9 d9 e9 f9 g9", _trace("rev sum a9 b9 c9 d9 e9 f9 g9"))
-    assert longest.answer.split("\n")[-1] == "g 45+9=36"
+    full = sample("sum_trace", 200, seed=7, modulus=None)
+    assert all(t.answer == _trace(t.question) and t.question.startswith("rev sum ") for t in full)
+    # the longest traces there are: seven 9s (in full, every partial after the first has two digits)
     tok = moonlight_tokenizer()
-    ((ids, labels),) = encode_tasks(tok, [longest])
-    assert len(ids) <= COT_POST.max_seq_len  # nothing truncated
-    answer_tokens = sum(label != -100 for label in labels)  # the answer and its end-of-turn token
-    assert answer_tokens <= answer_budget("sum_trace")
+    for question, last in (("sum%10 a9 b9 c9 d9 e9 f9 g9", "g 4+9=3"), ("rev sum a9 b9 c9 d9 e9 f9 g9", "g 45+9=36")):
+        longest = Task("sum_trace", question, _trace(question))
+        assert longest.answer.split("\n")[-1] == last
+        ((ids, labels),) = encode_tasks(tok, [longest])
+        assert len(ids) <= COT_POST.max_seq_len  # nothing truncated
+        answer_tokens = sum(label != -100 for label in labels)  # the answer and its end-of-turn token
+        assert answer_tokens <= answer_budget("sum_trace")
     assert answer_budget("math") == 16 and all(len(tok(t.answer)["input_ids"]) < 16 for t in sample("math", 50, 0))
     with pytest.raises(ValueError, match="terms"):
         sample("sum_trace", 1, seed=0, terms=(4, 7))
+    with pytest.raises(ValueError, match="modulus"):
+        sample("sum_trace", 1, seed=0, modulus=1)
 
 
 def test_a_trace_is_scored_on_its_final_line_and_line_by_line():
-    task = Task("sum_trace", "rev sum a4 b7 c1 d9 e3", "a 0+4=4\nb 4+7=11\nc 11+1=21\nd 21+9=12\ne 12+3=42")
+    task = Task("sum_trace", "sum%10 a4 b7 c1 d9 e3", "a 0+4=4\nb 4+7=1\nc 1+1=2\nd 2+9=1\ne 1+3=4")
     assert task.answer == _trace(task.question)
     assert is_correct(task, task.answer) and line_accuracy(task, task.answer) == 1.0
-    assert is_correct(task, " e 12+3=42\n") and line_accuracy(task, "e 12+3=42") == 0.0  # the final line alone
-    wrong_middle = "a 0+4=4\nb 4+7=12\nc 21+1=31\nd 21+9=12\ne 12+3=42"
+    assert is_correct(task, " e 1+3=4\n") and line_accuracy(task, "e 1+3=4") == 0.0  # the final line alone
+    wrong_middle = "a 0+4=4\nb 4+7=2\nc 2+1=3\nd 2+9=1\ne 1+3=4"
     assert is_correct(task, wrong_middle) and line_accuracy(task, wrong_middle) == 3 / 5
-    assert not is_correct(task, task.answer + "\nf 42+1=52")  # a line too many: the final line is wrong
-    assert line_accuracy(task, task.answer + "\nf 42+1=52") == 1.0  # lines past the reference's are not counted
-    assert not is_correct(task, "a 0+4=4\nb 4+7=11") and line_accuracy(task, "a 0+4=4\nb 4+7=11") == 2 / 5
-    assert not is_correct(task, "e 12+3=24") and line_accuracy(task, "") == 0.0
+    assert not is_correct(task, task.answer + "\nf 4+1=5")  # a line too many: the final line is wrong
+    assert line_accuracy(task, task.answer + "\nf 4+1=5") == 1.0  # lines past the reference's are not counted
+    assert not is_correct(task, "a 0+4=4\nb 4+7=1") and line_accuracy(task, "a 0+4=4\nb 4+7=1") == 2 / 5
+    assert not is_correct(task, "e 1+3=5") and line_accuracy(task, "") == 0.0
 
 
 def test_to_messages():

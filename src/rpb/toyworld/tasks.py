@@ -14,7 +14,7 @@ text       ``double kiw``                  ``kkiiww``      reverse / upper / fir
 facts      ``capital of Sogania?``         ``Detano``      recall from a fixed invented knowledge base
 math_post  ``rev 47+85+36=``               ``861``         three-term sums a+b+c, digits reversed
 code_post  ``sort|reverse 3 1 2``          ``3 2 1``       two-step pipelines of the code operations
-sum_trace  ``rev sum a4 b7 c1 d9 e3``      5-7 lines       a running sum, one line per partial (below)
+sum_trace  ``sum%10 a4 b7 c1 d9 e3``       5-7 lines       a running sum mod 10, a line per partial (below)
 =========  ==============================  ==============  ===========================================
 
 ``math_post`` and ``code_post`` play the roles of the paper's math20k and coding20k: same
@@ -23,16 +23,20 @@ second operation). ``math_post`` also has the form ``a+b-c`` (a subtraction step
 which small models learn far more slowly.
 
 ``sum_trace`` is the long-trace set (``TRACE_SETS``): a step-by-step answer of 5 to 7 lines, one
-per term, each written out as ``<label> <partial so far>+<term>=<new partial>`` with every partial
-least-significant digit first, as the math domain writes its answers::
+per term, each written out as ``<label> <partial so far>+<term>=<new partial>``, the partials taken
+modulo 10 (``modulus``)::
 
-    rev sum a4 b7 c1 d9 e3   ->   a 0+4=4 / b 4+7=11 / c 11+1=21 / d 21+9=12 / e 12+3=42
+    sum%10 a4 b7 c1 d9 e3   ->   a 0+4=4 / b 4+7=1 / c 1+1=2 / d 2+9=1 / e 1+3=4
 
 (lines separated by newlines). Each line needs only the line before it and the term its label
-names in the question: a copy, a lookup by label and a one-carry addition. Exact match
-(``is_correct``) scores the final line, ``line_accuracy`` the trace line by line. Its answers
-(up to 67 characters) do not fit the short sets' generation budget or ``PostRecipe.max_seq_len``;
-``answer_budget`` gives each set's generation length.
+names in the question: a copy, a lookup by label and the ones digit of a one-digit sum (the first
+digit the math domain writes). Exact match (``is_correct``) scores the final line, which is right
+only if every step was, and ``line_accuracy`` the trace line by line. Its answers (up to 55
+characters) do not fit the short sets' generation budget or ``PostRecipe.max_seq_len``;
+``answer_budget`` gives each set's generation length. ``modulus=None`` writes the full running sum
+instead, every partial least-significant digit first (``rev sum a4 b7 ...`` -> ``a 0+4=4 / b 4+7=11
+/ c 11+1=21 / ...``, up to 67 characters): in the pilot (500 steps of ``sft`` on base 0) it reached
+0.4% final-line exact match and 32% of the lines, against the 30% the long-trace grid needs.
 
 Digit order. Answers to arithmetic are written least-significant digit first by default
 (``reverse=True``; the question says so with its ``rev`` prefix). A left-to-right decoder that
@@ -215,18 +219,22 @@ def _check_terms(terms: tuple[int, int]) -> None:
         raise ValueError(f"terms must be (lo, hi) with 5 <= lo <= hi <= {len(_TRACE_LABELS)}, got {terms!r}")
 
 
-def _sum_trace(rng: random.Random, terms: tuple[int, int] = (5, 7)) -> Task:
+def _sum_trace(rng: random.Random, terms: tuple[int, int] = (5, 7), modulus: int | None = 10) -> Task:
     _check_terms(terms)
+    if modulus is not None and modulus < 2:
+        raise ValueError(f"modulus must be None (the full sum) or >= 2, got {modulus!r}")
     xs = _digits(rng, terms)
-    question = "rev sum " + " ".join(f"{label}{x}" for label, x in zip(_TRACE_LABELS, xs, strict=False))
+    prefix = "rev sum" if modulus is None else f"sum%{modulus}"
+    question = prefix + " " + " ".join(f"{label}{x}" for label, x in zip(_TRACE_LABELS, xs, strict=False))
     lines, total = [], 0
     for label, x in zip(_TRACE_LABELS, xs, strict=False):  # xs has at most 7 terms
-        lines.append(f"{label} {str(total)[::-1]}+{x}={str(total + x)[::-1]}")
-        total += x
+        after = total + x if modulus is None else (total + x) % modulus
+        lines.append(f"{label} {str(total)[::-1]}+{x}={str(after)[::-1]}")
+        total = after
     return Task("sum_trace", question, "\n".join(lines))
 
 
-def _sum_trace_size(terms: tuple[int, int] = (5, 7)) -> int:
+def _sum_trace_size(terms: tuple[int, int] = (5, 7), modulus: int | None = 10) -> int:
     _check_terms(terms)
     return sum(10**k for k in range(terms[0], terms[1] + 1))
 
@@ -292,7 +300,7 @@ _REGISTRY: dict[str, _Domain] = {
     "code_post": _Domain(
         _code_post, lambda pipelines=CODE_POST_PIPELINES, lengths=(3, 6): _lists_size(len(pipelines), lengths, 10)
     ),
-    "sum_trace": _Domain(_sum_trace, _sum_trace_size, new_tokens=80),
+    "sum_trace": _Domain(_sum_trace, _sum_trace_size, new_tokens=80),  # a full-sum trace has 67 characters
 }
 _ENUMERATE_LIMIT = 100_000  # smaller spaces are listed in full, so sample() is exact and never stalls
 
