@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from rpb.toyworld.experiment import GRIDS, GridChangedError, Study
@@ -56,6 +57,7 @@ def test_miniature_grid_writes_tables_results_and_plots(finished):
         assert r["ood"] == pytest.approx(sum(r["per_domain"][d] for d in DOMAINS) / 4)
         assert set(r["retention"]) == {"tvd", "jsd", "topk_overlap", "nmi"}
         assert 0 <= r["retention"]["tvd"] <= 1 and 0 <= r["retention"]["topk_overlap"] <= 1
+        assert r["threads"] == torch.get_num_threads()  # what a bit-identical redo needs besides the machine
         # the cell's own retention report, as `rpb retention` writes it
         report = json.loads(
             (out / "runs" / "math_post" / r["arm"] / "seed42" / "retention" / "report.json").read_text()

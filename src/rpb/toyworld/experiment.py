@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from rpb.anchors import METHODS, get_method
@@ -281,6 +282,9 @@ class Study:
             result["retention"] = {k: report["mean"][k] for k in keys}
             result["mechanism"] = mechanism(self.base(), ckpt, self.prior(post_set), self.data(post_set))
         result["seconds"] = {"train": train_s, "evaluate": time.perf_counter() - started}
+        # the kernels' summation order follows the intra-op thread count: a redone cell is bit-identical
+        # on the same machine type with the same count (OMP_NUM_THREADS)
+        result["threads"] = torch.get_num_threads()
         if not self.keep_checkpoints:
             shutil.rmtree(ckpt, ignore_errors=True)
         write_json_atomic(done, result)
