@@ -68,3 +68,32 @@ def test_a_rerun_reads_every_cell_back(ran):
     assert run_grid(GRID, root / "out", root / "cache", progress=False, announce=messages.append) == tables
     assert "6 done, 0 to run" in messages[0]
     assert cost(GRID, studies(GRID, root / "out", root / "cache")) == messages[0]
+
+
+def _cell(base, method, seed, id_, ood, **anchor):
+    v = {"id": id_, "ood": ood}
+    return {"set": "math_post", "base": base, "method": method, "arm": method, "seed": seed, "anchor": anchor,
+            "scores": {"validation": v, "test": {"id": 0.0, "ood": 0.0}}}  # fmt: skip
+
+
+def test_the_beta_rule_regret_against_hand_computed_figures():
+    """sft counts as beta 0 and an rpb arm without a beta as beta 1; the criterion is 50 (ID + OOD) on the
+    validation part; the regret is the best beta's criterion minus the rule's, seed by seed."""
+    from rpb.toyworld.across import regret_table
+
+    seeds = (42, 43, 44)
+    results = []
+    # criterion per seed: sft 39, 40, 41 (mean 40, the best); beta 1: 30; the rule's 0.5: 37, 36, 35, so it
+    # trails the best by 2, 4 and 6 points
+    for base in (0, 1):
+        for seed, sft_id, rule_id in zip(seeds, (0.38, 0.40, 0.42), (0.38, 0.36, 0.34), strict=True):
+            results += [_cell(base, "sft", seed, sft_id, 0.40), _cell(base, "rpb", seed, 0.30, 0.30),
+                        _cell(base, "rpb", seed, rule_id, 0.36, beta=0.5),
+                        _cell(base, "lbl", seed, 0.9, 0.9)]  # fmt: skip
+    rows = regret_table(results, {(0, "math_post"): 0.0, (1, "math_post"): 0.5, (2, "math_post"): 0.25})
+    lines = rows.splitlines()
+    # base 0: the rule's beta is the best: regret 0 on every seed
+    assert lines[2] == "| 0 (in-sample) | math_post | 0 | 0, 0.5, 1 | 0 | +0.0 [+0.0, +0.0] | yes |"
+    # base 1: 2, 4, 6 -> mean 4; three seeds drawn with replacement: the 2.5% quantile is 2 (1/27 of draws)
+    assert lines[3] == "| 1 | math_post | 0.5 | 0, 0.5, 1 | 0 | +4.0 [+2.0, +6.0] | no |"
+    assert lines[4] == "| 2 | math_post | 0.25 | — | — | not run | — |"
