@@ -3,7 +3,11 @@
 ``python -m tests.toyworld_mini OUT CACHE [mini|mini-cot]`` runs it to the end (or until killed).
 """
 
+import os
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +34,23 @@ GRIDS = {"mini": (MINI_GRID, MINI_POST), "mini-cot": (MINI_COT_GRID, MINI_COT_PO
 
 def mini_study(out, cache, grid: str = "mini") -> Study:
     return Study(Path(out), *GRIDS[grid], cache_dir=Path(cache), progress=False)
+
+
+def kill_after_first_cell(out: Path, cache: Path, grid: str = "mini") -> int:
+    """Run the miniature study in a subprocess and SIGKILL it right after its first finished cell; the number
+    of cells it had finished (the kill can land after a second one, never after the tables)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.toyworld_mini", str(out), str(cache), grid], cwd=root,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not list(out.glob("**/result.json")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the study ended before it could be killed"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not (out / "tables.md").exists()
+    return len(list(out.glob("**/result.json")))
 
 
 if __name__ == "__main__":

@@ -2,12 +2,7 @@
 a changed set-up; evaluation splits and tables against hand computations."""
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,9 +14,7 @@ from rpb.toyworld.experiment import GRIDS, GridChangedError, Study
 from rpb.toyworld.tables import table
 from rpb.toyworld.tasks import DOMAINS, POST_SETS, sample, split_of
 from rpb.toyworld.world import eval_tasks, part_of, probe_tasks
-from tests.toyworld_mini import MINI_GRID, MINI_POST, mini_study
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.toyworld_mini import MINI_GRID, MINI_POST, kill_after_first_cell, mini_study
 
 
 def _without_timing(results):
@@ -88,16 +81,7 @@ def test_weights_are_chosen_on_the_validation_split(finished):
 def test_killed_mid_run_resumes_to_the_same_tables(finished):
     root, tables = finished
     out = root / "b"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.toyworld_mini", str(out), str(root / "cache")], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 240
-    while not list(out.glob("**/result.json")):  # kill -9 right after the first finished cell
-        assert proc.poll() is None and time.monotonic() < deadline, "the study ended before it could be killed"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
-    assert len(list(out.glob("**/result.json"))) < 4 and not (out / "tables.md").exists()
+    assert kill_after_first_cell(out, root / "cache") < 4
 
     study = mini_study(out, root / "cache")
     assert study.report(study.run()) == tables

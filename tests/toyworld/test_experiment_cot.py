@@ -2,11 +2,6 @@
 and a kill -9 in the middle resumed to the same tables."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,9 +9,7 @@ import pytest
 from rpb.toyworld.experiment import COT_POST, GRIDS, PAPER_METHODS, TRANSITION_KEYS
 from rpb.toyworld.tasks import DOMAINS, TRACE_SETS
 from rpb.toyworld.world import eval_tasks
-from tests.toyworld_mini import mini_study
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.toyworld_mini import kill_after_first_cell, mini_study
 
 
 def _results(out: Path):
@@ -71,16 +64,7 @@ def test_cells_score_traces_and_measure_both_retention_levels_on_traces(finished
 def test_killed_mid_run_resumes_to_the_same_tables(finished):
     root, _, tables = finished
     out = root / "b"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.toyworld_mini", str(out), str(root / "cache"), "mini-cot"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 240
-    while not list(out.glob("**/result.json")):  # kill -9 right after the first finished cell
-        assert proc.poll() is None and time.monotonic() < deadline, "the study ended before it could be killed"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
-    assert len(list(out.glob("**/result.json"))) < 2 and not (out / "tables.md").exists()
+    assert kill_after_first_cell(out, root / "cache", "mini-cot") < 2
     study = mini_study(out, root / "cache", "mini-cot")
     assert study.report(study.run()) == tables
     assert _results(out) == _results(root / "a")
