@@ -27,7 +27,8 @@ def test_miniature_recipe_trains_saves_and_reports(tmp_path):
     assert again["final_loss"] == record["final_loss"]  # step-based schedule: deterministic
     assert record["steps"] == 6 and torch.isfinite(torch.tensor(record["final_loss"]))
     assert set(record["heldout_exact_match"]) == set(DOMAINS)
-    assert json.loads((tmp_path / "recipe.json").read_text())["steps"] == 6
+    saved = json.loads((tmp_path / "recipe.json").read_text())
+    assert saved["steps"] == 6 and saved["threads"] == torch.get_num_threads()
     model = AutoModelForCausalLM.from_pretrained(tmp_path)  # a plain HF checkpoint
     assert model.config.n_routed_experts == 8 and not any(m._forward_hooks for m in model.modules())
     other = AutoModelForCausalLM.from_pretrained(tmp_path / "again")

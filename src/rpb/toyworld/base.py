@@ -206,7 +206,9 @@ def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    # the thread count fixes the kernels' summation order: the same recipe rebuilds bit for bit only with it
     record = {"recipe": asdict(recipe), "steps": step, "seconds": time.perf_counter() - started,
-              "final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1), "heldout_exact_match": accuracy}  # fmt: skip
+              "final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1), "heldout_exact_match": accuracy,
+              "threads": torch.get_num_threads()}  # fmt: skip
     (out_dir / "recipe.json").write_text(json.dumps(record, indent=1))  # written last: the build is complete
     return record
