@@ -343,12 +343,16 @@ class Study:
             return self._report(results)
 
     def _report(self, results: list[dict]) -> str:
-        from rpb.toyworld.tables import plot_retention, plot_tradeoff, table
+        from rpb.toyworld.tables import paired_table, plot_retention, plot_tradeoff, table
 
         g = self.grid
         arms = tuple(a.label for a in g.arms)
         base_scores = {s: self.base_score(s) for s in g.sets}
         tables = "\n".join(table(kind, results, g.sets, arms, base_scores) for kind in g.tables)
+        if self.trace_set:  # do static and transition retention tell one story? does a shuffle stay near rpb?
+            tables += "\n" + paired_table(results, self.trace_set) + (
+                f"\nOne base, {len(g.seeds)} seeds: the bootstrap resamples the seeds only, and with so few its "
+                "interval is narrower than a t interval would be.\n")  # fmt: skip
         weights = self.select_weights(_NoBar()) if any(get_method(a.method).coefficient for a in g.arms) else {}
         plot_tradeoff(results, g.sets, arms, self.out / "tradeoff.png")
         plot_retention(results, g.sets, arms, self.out / "retention.png")

@@ -38,8 +38,9 @@ POWER = 0.8
 
 
 def points(result: dict, metric: str) -> float:
-    """A cell's figure: exact match in percent for ``id`` / ``ood``, else a retention metric."""
-    if metric in ("id", "ood"):
+    """A cell's figure: exact match in percent for ``id`` / ``ood`` (and a trace's ``id_lines``), else a
+    retention metric."""
+    if metric in ("id", "ood", "id_lines"):
         return 100.0 * result[metric]
     return float(result.get("retention", {}).get(metric, math.nan))
 

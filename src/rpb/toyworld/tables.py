@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from rpb.anchors import get_method
+from rpb.toyworld.stats import equivalent, interval, paired_differences, two_stage_bootstrap
 
 #: rpb.toyworld.world.mechanism's figures: the bias's displacement on the base before training, the fraction it
 #: changed during training, and after training the overlap with the base's own sets and with the prior's top-k
@@ -91,6 +92,56 @@ def table(
     for arm in rows:
         cells = [fmt(agg[(s, arm)][c], c) if (s, arm) in agg else "n/a" for s in sets for c in cols]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+#: the long-trace grid's paired comparisons (arm, reference): each anchor against sft, each shuffled
+#: control against rpb (the paper's within-soft ~ rpb, asked again on the transition axis), and the two
+#: soft shuffles against each other
+TRACE_PAIRS = (("lbl", "sft"), ("rpb", "sft"), ("within-soft", "rpb"), ("within-hard", "rpb"),
+               ("within-transition-soft", "rpb"), ("within-transition-hard", "rpb"),
+               ("within-transition-soft", "within-soft"))  # fmt: skip
+TRACE_PAIR_METRICS = ("id", "id_lines", "tvd", "nmi", "transition_tvd", "transition_nmi", "step_transition_nmi")
+
+
+def _direction(diffs: dict[int, list[float]]) -> int:
+    """+1 / -1 when the 95% interval of the paired difference excludes 0 above / below, else 0."""
+    lo, hi = interval(two_stage_bootstrap(diffs))
+    return 1 if lo > 0 else -1 if hi < 0 else 0
+
+
+def paired_table(results: list[dict], post_set: str, pairs=TRACE_PAIRS, metrics=TRACE_PAIR_METRICS) -> str:
+    """Each (arm, reference) pair's mean difference on the same (base, seed), with the two-stage bootstrap's
+    95% interval, per metric; then whether the static and the transition NMI move the same way (each
+    counted only where its interval excludes 0) and whether ID is equivalent within 2 points (two one-sided
+    tests, the claims' rule)."""
+    arms = {r["arm"] for r in results if r["set"] == post_set}
+    head = ["arm − reference", *(HEADERS[m] for m in metrics), "static vs transition NMI", "ID ≈ (±2 points)"]
+    lines = [f"### {post_set}: paired differences on the same base and seed [95% CI]", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    up = {1: "up", -1: "down"}
+    for arm, reference in pairs:
+        if not {arm, reference} <= arms:
+            continue
+        diffs = {m: paired_differences(results, post_set, arm, reference, m) for m in {*metrics, "id", "nmi",
+                                                                                         "transition_nmi"}}  # fmt: skip
+        cells = []
+        for m in metrics:
+            flat = [v for vs in diffs[m].values() for v in vs]
+            lo, hi = interval(two_stage_bootstrap(diffs[m]))
+            digits = 1 if m in PERCENT else 3
+            cells.append(f"{statistics.fmean(flat):+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]")
+        static, moving = _direction(diffs["nmi"]), _direction(diffs["transition_nmi"])
+        if static and moving:
+            story = f"{'same' if static == moving else 'opposite'} (static {up[static]}, transition {up[moving]})"
+        else:
+            story = (
+                f"only static ({up[static]})" if static else f"only transition ({up[moving]})" if moving else "neither"
+            )
+        same = {"reproduces": "yes", "contradicted": "no", "inconclusive": "inconclusive"}[
+            equivalent("", diffs["id"]).verdict
+        ]
+        lines.append(f"| {arm} − {reference} | " + " | ".join([*cells, story, same]) + " |")
     return "\n".join(lines) + "\n"
 
 
