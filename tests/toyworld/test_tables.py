@@ -23,9 +23,13 @@ def test_paired_table_against_hand_computed_differences():
         results.append(_cell("rpb", seed, 0.26, 0.50, 0.25))
         # lbl: +10, +20, +30 points ID; static NMI unchanged, transition NMI -0.1
         results.append(_cell("lbl", seed, 0.25 + 0.1 * (k + 1), 0.40, 0.20))
-    rows = _rows(paired_table(results, "sum_trace", pairs=(("lbl", "sft"), ("rpb", "sft"), ("within-soft", "rpb")),
-                              metrics=METRICS))  # fmt: skip
-    assert set(rows) == {"lbl − sft", "rpb − sft"}  # a pair whose arm did not run has no row
+    results.append(_cell("within-soft", 42, 0.21, 0.50, 0.25))  # one seed finished so far
+    pairs = (("lbl", "sft"), ("rpb", "sft"), ("within-soft", "rpb"), ("within-hard", "rpb"))
+    rows = _rows(paired_table(results, "sum_trace", pairs=pairs, metrics=METRICS))
+    assert set(rows) == {"lbl − sft", "rpb − sft", "within-soft − rpb"}  # a pair whose arm did not run has no row
+    # one pair: its difference, no interval and no verdict
+    assert rows["within-soft − rpb"] == ["-5.0 (one pair)", "+0.000 (one pair)", "+0.000 (one pair)", "one pair",
+                                         "one pair"]  # fmt: skip
     # rpb: constant differences give a zero-width interval; the 90% one lies inside +/-2 points: equivalent
     assert rows["rpb − sft"] == ["+1.0 [+1.0, +1.0]", "+0.100 [+0.100, +0.100]", "-0.050 [-0.050, -0.050]",
                                  "opposite (static up, transition down)", "yes"]  # fmt: skip

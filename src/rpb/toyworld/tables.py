@@ -128,9 +128,15 @@ def paired_table(results: list[dict], post_set: str, pairs=TRACE_PAIRS, metrics=
         cells = []
         for m in metrics:
             flat = [v for vs in diffs[m].values() for v in vs]
-            lo, hi = interval(two_stage_bootstrap(diffs[m]))
             digits = 1 if m in PERCENT else 3
+            if len(flat) < 2:  # one pair has no spread to resample: its interval would be a point
+                cells.append(f"{flat[0]:+.{digits}f} (one pair)")
+                continue
+            lo, hi = interval(two_stage_bootstrap(diffs[m]))
             cells.append(f"{statistics.fmean(flat):+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]")
+        if sum(len(v) for v in diffs["id"].values()) < 2:
+            lines.append(f"| {arm} − {reference} | " + " | ".join([*cells, "one pair", "one pair"]) + " |")
+            continue
         static, moving = _direction(diffs["nmi"]), _direction(diffs["transition_nmi"])
         if static and moving:
             story = f"{'same' if static == moving else 'opposite'} (static {up[static]}, transition {up[moving]})"
