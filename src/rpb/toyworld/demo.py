@@ -1,7 +1,8 @@
 """The embedded default run (``rpb demo``, the README's main command): the paper's study in miniature.
 
 base model (cached, or pretrained in about 10 minutes on 2 CPU cores) -> post-training data
-(the math set) -> routing prior -> ``sft``, ``lbl`` and ``rpb`` post-training -> a table of
+(the math set) -> routing prior -> ``sft``, ``lbl``, ``rpb`` and ``rpb`` at the beta ``rpb calibrate``
+recommends, post-trained -> a table of
 ID / OOD exact match and routing retention (TVD, top-k overlap, NMI), with plots.
 Everything is built locally; nothing is downloaded.
 """
