@@ -130,12 +130,13 @@ def paired_table(results: list[dict], post_set: str, pairs=TRACE_PAIRS, metrics=
             flat = [v for vs in diffs[m].values() for v in vs]
             digits = 1 if m in PERCENT else 3
             if len(flat) < 2:  # one pair has no spread to resample: its interval would be a point
-                cells.append(f"{flat[0]:+.{digits}f} (one pair)")
+                cells.append(f"{flat[0]:+.{digits}f} (one pair)" if flat else "—")
                 continue
             lo, hi = interval(two_stage_bootstrap(diffs[m]))
             cells.append(f"{statistics.fmean(flat):+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]")
-        if sum(len(v) for v in diffs["id"].values()) < 2:
-            lines.append(f"| {arm} − {reference} | " + " | ".join([*cells, "one pair", "one pair"]) + " |")
+        if (n := sum(len(v) for v in diffs["id"].values())) < 2:
+            word = "one pair" if n else "no pairs"
+            lines.append(f"| {arm} − {reference} | " + " | ".join([*cells, word, word]) + " |")
             continue
         static, moving = _direction(diffs["nmi"]), _direction(diffs["transition_nmi"])
         if static and moving:
