@@ -104,12 +104,6 @@ TRACE_PAIRS = (("lbl", "sft"), ("rpb", "sft"), ("within-soft", "rpb"), ("within-
 TRACE_PAIR_METRICS = ("id", "id_lines", "tvd", "nmi", "transition_tvd", "transition_nmi", "step_transition_nmi")
 
 
-def _direction(diffs: dict[int, list[float]]) -> int:
-    """+1 / -1 when the 95% interval of the paired difference excludes 0 above / below, else 0."""
-    lo, hi = interval(two_stage_bootstrap(diffs))
-    return 1 if lo > 0 else -1 if hi < 0 else 0
-
-
 def paired_table(results: list[dict], post_set: str, pairs=TRACE_PAIRS, metrics=TRACE_PAIR_METRICS) -> str:
     """Each (arm, reference) pair's mean difference on the same (base, seed), with the two-stage bootstrap's
     95% interval, per metric; then whether the static and the transition NMI move the same way (each
@@ -119,32 +113,32 @@ def paired_table(results: list[dict], post_set: str, pairs=TRACE_PAIRS, metrics=
     head = ["arm − reference", *(HEADERS[m] for m in metrics), "static vs transition NMI", "ID ≈ (±2 points)"]
     lines = [f"### {post_set}: paired differences on the same base and seed [95% CI]", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
-    up = {1: "up", -1: "down"}
+    way = {1: "up", -1: "down"}
     for arm, reference in pairs:
         if not {arm, reference} <= arms:
             continue
-        diffs = {m: paired_differences(results, post_set, arm, reference, m) for m in {*metrics, "id", "nmi",
-                                                                                         "transition_nmi"}}  # fmt: skip
-        cells = []
-        for m in metrics:
-            flat = [v for vs in diffs[m].values() for v in vs]
-            digits = 1 if m in PERCENT else 3
-            if len(flat) < 2:  # one pair has no spread to resample: its interval would be a point
-                cells.append(f"{flat[0]:+.{digits}f} (one pair)" if flat else "—")
-                continue
-            lo, hi = interval(two_stage_bootstrap(diffs[m]))
-            cells.append(f"{statistics.fmean(flat):+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]")
-        if (n := sum(len(v) for v in diffs["id"].values())) < 2:
-            word = "one pair" if n else "no pairs"
+        diffs = {m: paired_differences(results, post_set, arm, reference, m)
+                 for m in (*metrics, "id", "nmi", "transition_nmi")}  # fmt: skip
+        flat = {m: [v for vs in d.values() for v in vs] for m, d in diffs.items()}
+        if len(flat["id"]) < 2:  # one pair has no spread to resample: its interval would be a point
+            word = "one pair" if flat["id"] else "no pairs"
+            cells = [f"{flat[m][0]:+.{1 if m in PERCENT else 3}f} (one pair)" if flat[m] else "—" for m in metrics]
             lines.append(f"| {arm} − {reference} | " + " | ".join([*cells, word, word]) + " |")
             continue
-        static, moving = _direction(diffs["nmi"]), _direction(diffs["transition_nmi"])
+        ci = {m: interval(two_stage_bootstrap(d)) for m, d in diffs.items()}  # once per metric
+        cells = []
+        for m in metrics:
+            digits = 1 if m in PERCENT else 3
+            lo, hi = ci[m]
+            cells.append(f"{statistics.fmean(flat[m]):+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]")
+        # +1 / -1 where the 95% interval excludes 0 above / below, else 0
+        static, moving = ((lo > 0) - (hi < 0) for lo, hi in (ci["nmi"], ci["transition_nmi"]))
         if static and moving:
-            story = f"{'same' if static == moving else 'opposite'} (static {up[static]}, transition {up[moving]})"
+            story = f"{'same' if static == moving else 'opposite'} (static {way[static]}, transition {way[moving]})"
+        elif static or moving:
+            story = f"only static ({way[static]})" if static else f"only transition ({way[moving]})"
         else:
-            story = (
-                f"only static ({up[static]})" if static else f"only transition ({up[moving]})" if moving else "neither"
-            )
+            story = "neither"
         same = {"reproduces": "yes", "contradicted": "no", "inconclusive": "inconclusive"}[
             equivalent("", diffs["id"]).verdict
         ]
