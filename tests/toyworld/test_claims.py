@@ -28,3 +28,10 @@ def test_claims_on_a_headline_like_grid():
     table = verdict_table(list(verdicts.values()))
     assert "| RPB > SFT (s, ID) | +10 |" in table and "not run" in table
     assert "the paper calls this advantage model-dependent" in table
+    # the t cross-check over base means: every base's ID difference is 10 points exactly, so no t
+    assert "| p, t over base means |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| RPB > SFT (s, ID) |"))
+    assert row.split(" | ")[6] == "—"
+    ood = verdicts["RPB > SFT (s, OOD)"]  # base means 0.1, 0.2, 0.3 points: t = 0.2 / (0.1 / sqrt 3)
+    t = 0.2 / (0.1 / 3**0.5)
+    assert abs(ood.p_t - (1 - t / (2 + t * t) ** 0.5)) < 1e-9

@@ -78,3 +78,28 @@ def test_holm_keeps_only_what_the_step_down_rejects():
     assert [v.holm for v in vs] == ["reproduces", "inconclusive", "inconclusive", "inconclusive"]
     two = [stats.Verdict(f"c{i}", 1.0, (0.5, 1.5), p, "reproduces") for i, p in enumerate([0.01, 0.02])]
     assert [v.holm for v in stats.holm(two)] == ["reproduces", "reproduces"]  # 0.01 <= .05/2, 0.02 <= .05/1
+
+
+def _t_sf_df2(t):
+    """P(T > t) for Student's t with 2 degrees of freedom, in closed form: (1 - t / sqrt(2 + t^2)) / 2."""
+    return (1 - t / math.sqrt(2 + t * t)) / 2
+
+
+def test_t_over_base_means_is_the_conservative_cross_check():
+    # base means 2, 3, 5: mean 10/3, sd sqrt(7/3), t = (10/3) / (sd / sqrt 3) against 0
+    diffs = {0: [1.0, 2.0, 3.0], 1: [2.0, 3.0, 4.0], 2: [4.0, 5.0, 6.0]}
+    t = (10 / 3) / (math.sqrt(7 / 3) / math.sqrt(3))
+    assert stats.t_p(diffs) == pytest.approx(2 * _t_sf_df2(t))  # 0.0634
+    v = stats.greater("c", diffs)
+    # three bases of one sign: the bootstrap says reproduces at p 0.0002, t over the bases does not reject
+    assert v.verdict == "reproduces" and v.p < 0.001 and v.p_t == pytest.approx(0.0634, abs=1e-4)
+    # equivalence within 2 points: two one-sided t tests, the larger p
+    near = {0: [0.0], 1: [1.0], 2: [-1.0]}  # mean 0, sd 1: t = 2 / (1 / sqrt 3) on both sides
+    assert stats.equivalent("c", near).p_t == pytest.approx(_t_sf_df2(2 * math.sqrt(3)))
+    # well below -5: one-sided, the mean's distance below the threshold
+    low = {0: [-7.0], 1: [-8.0], 2: [-9.0]}  # mean -8, sd 1: t = 3 / (1 / sqrt 3)
+    assert stats.well_below("c", low).p_t == pytest.approx(_t_sf_df2(3 * math.sqrt(3)))
+    # one base (or no spread between bases): no t
+    assert math.isnan(stats.t_p({0: [1.0, 2.0, 3.0]})) and math.isnan(stats.t_p({0: [1.0], 1: [1.0]}))
+    lowest = stats.extreme("c", {"a": diffs, "b": {0: [1.0, 1.0]}}, +1)
+    assert math.isnan(lowest.p_t)  # one pairwise comparison without a t: none for the claim

@@ -62,15 +62,15 @@ def judge(results: list[dict], sets: tuple[str, ...]) -> list[Verdict]:
 
 def verdict_table(verdicts: list[Verdict]) -> str:
     lines = [
-        "| claim (the paper's) | estimate | 95% CI | p | verdict | Holm-adjusted | note |",
-        "|---|---|---|---|---|---|---|",
+        "| claim (the paper's) | estimate | 95% CI | p | verdict | Holm-adjusted | p, t over base means | note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for v in verdicts:
         if v.verdict == "not run":
-            lines.append(f"| {v.claim} | — | — | — | not run | not run | {v.note} |")
+            lines.append(f"| {v.claim} | — | — | — | not run | not run | — | {v.note} |")
             continue
         lines.append(
             f"| {v.claim} | {v.estimate:+.3g} | [{v.ci[0]:+.3g}, {v.ci[1]:+.3g}] | {v.p:.3f} | {v.verdict} | "
-            f"{v.holm} | {v.note} |"
+            f"{v.holm} | {'—' if math.isnan(v.p_t) else f'{v.p_t:.3f}'} | {v.note} |"
         )
     return "\n".join(lines) + "\n"
