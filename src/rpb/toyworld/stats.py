@@ -20,7 +20,7 @@ Each verdict carries a bootstrap p-value for its own null; ``holm`` adjusts them
 a claim Holm does not reject is reported inconclusive in the adjusted column.
 
 With 3 bases the percentile bootstrap is narrow: it draws only 10 distinct multisets of bases, so
-three bases whose means share a sign give p = 0.0002 however far apart they lie. Each verdict
+three bases whose means share a sign give p = 0.0002 however close to 0 they lie. Each verdict
 therefore also carries ``p_t``, the same null tested by Student's t over the *base means* (n = bases,
 n - 1 degrees of freedom; ``nan`` below 2 bases), the conservative reading for clustered data. The
 verdict words stay the bootstrap's (the rule fixed before the data); ``p_t`` says which of them the
