@@ -57,15 +57,17 @@ def qa(question: str, answer: str) -> dict:
 
 @pytest.fixture(scope="session")
 def save_tiny(tmp_path_factory, moon_tok):
-    """save_tiny(arch, seed=0) -> directory holding a tiny model of ``arch`` and the Moonlight tokenizer."""
+    """save_tiny(arch, seed=0, **config_overrides) -> directory holding a tiny model of ``arch`` and the
+    Moonlight tokenizer (overrides such as ``attention_dropout=0.1`` change the config, not the weights)."""
     cache: dict = {}
 
-    def make(arch: str, seed: int = 0) -> Path:
-        if (arch, seed) not in cache:
+    def make(arch: str, seed: int = 0, **overrides) -> Path:
+        key = (arch, seed, *sorted(overrides.items()))
+        if key not in cache:
             out = tmp_path_factory.mktemp(f"{arch}-{seed}")
-            build_tiny_model(arch, vocab_size=len(moon_tok), seed=seed).save_pretrained(out)
+            build_tiny_model(arch, vocab_size=len(moon_tok), seed=seed, **overrides).save_pretrained(out)
             moon_tok.save_pretrained(out)
-            cache[arch, seed] = out
-        return cache[arch, seed]
+            cache[key] = out
+        return cache[key]
 
     return make

@@ -1,5 +1,6 @@
 """``rpb train`` that dies by SIGKILL right after its checkpoint at step K is complete, leaving a
-half-written checkpoint K+1 behind (as a kill during the next save would):
+half-written checkpoint K+1 behind (as a kill during the next save would; none after the final checkpoint,
+where the kill interrupts the final save):
 ``python tests/resume_worker.py K override ...``."""
 
 import os
@@ -19,9 +20,10 @@ class Die(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.step:
-            torn = Path(args.output_dir) / f"checkpoint-{self.step + 1}"
-            torn.mkdir()
-            (torn / "model.safetensors").write_bytes(b"\0" * 100)  # a save cut short: no marker
+            if self.step < state.max_steps:  # after the final checkpoint the kill hits the final save instead
+                torn = Path(args.output_dir) / f"checkpoint-{self.step + 1}"
+                torn.mkdir()
+                (torn / "model.safetensors").write_bytes(b"\0" * 100)  # a save cut short: no marker
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,5 +1,7 @@
 """Preemption: a run killed with SIGKILL after a checkpoint resumes to the uninterrupted run's weights,
-bit for bit; torn checkpoints are never picked; a changed set-up is refused by name."""
+bit for bit (dropout on: the random draws after the checkpoint must resume too), from a mid-run checkpoint
+and from the final one (which trains nothing more); torn checkpoints are never picked; a changed set-up is
+refused by name."""
 
 from __future__ import annotations
 
@@ -14,12 +16,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import Trainer
 
 from rpb.checkpoints import MARKER, ResumeError, complete_checkpoints
 from rpb.collect import collect
 from rpb.config import load_config
 from rpb.testing.data import conversations, write_jsonl
-from rpb.train import run_training
+from rpb.train import AnchorTrainerMixin, run_training
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 # one intra-op thread here and in the killed process: the same kernels, so the same floating-point sums
@@ -30,7 +33,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def setup(tmp_path_factory, save_tiny):
     tmp = tmp_path_factory.mktemp("resume")
     data = write_jsonl(conversations(16, seed=9), tmp / "train.jsonl")
-    model = save_tiny("qwen3_moe")
+    # attention dropout: every step draws from the RNG, so a resume that does not restore it diverges
+    model = save_tiny("qwen3_moe", attention_dropout=0.3)
     prior = tmp / "prior.safetensors"
     collect(str(model), data, prior, top_k=2, max_seq_len=192, progress=False)
     return model, data, prior
@@ -52,10 +56,7 @@ def test_killed_and_resumed_equals_uninterrupted(setup, method, tmp_path):
     whole = load_file(train(overrides(setup, tmp_path / "whole", method)) / "model.safetensors")
 
     out = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(WORKER), "1", *overrides(setup, out, method)], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == -9, done.stderr[-3000:]
+    kill_after(setup, out, 1, method)
     assert [d.name for d in complete_checkpoints(out)] == ["checkpoint-1"]
     assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-2" / MARKER).exists()  # torn, left as it is
 
@@ -63,6 +64,66 @@ def test_killed_and_resumed_equals_uninterrupted(setup, method, tmp_path):
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole), method
     steps = [r["step"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
     assert steps == [1, 2, 3]  # the killed run's later records were dropped, the resumed run's written once
+
+
+def kill_after(setup, out, step, method, *extra) -> None:
+    """Run in another process and SIGKILL it once its checkpoint at ``step`` is complete."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(WORKER), str(step), *overrides(setup, out, method, *extra)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == -9, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def killed_at_the_end(setup, tmp_path_factory):
+    """max_steps 3, a checkpoint every 2 steps (so at 2, and at 3 as the run ends), killed after checkpoint 3
+    and before the final save: the likeliest kill point at the end of a preemptible job. Also the
+    uninterrupted run's weights."""
+    tmp = tmp_path_factory.mktemp("end")
+    extra = ("train.save_every=2",)
+    whole = load_file(train(overrides(setup, tmp / "whole", "rpb", *extra)) / "model.safetensors")
+    kill_after(setup, tmp / "killed", 3, "rpb", *extra)
+    assert [d.name for d in complete_checkpoints(tmp / "killed")] == ["checkpoint-2", "checkpoint-3"]
+    assert not (tmp / "killed" / "model.safetensors").exists()
+    return tmp / "killed", whole, extra
+
+
+def check_resume(setup, killed, whole, extra, spec, tmp_path) -> None:
+    """Resume a copy of ``killed`` from ``spec``: the uninterrupted run's weights bit for bit, 3 steps in the
+    log and in rpb_run.json, no checkpoint past max_steps."""
+    out = tmp_path / "resumed"
+    shutil.copytree(killed, out)
+    spec = spec if spec == "auto" else str(out / spec)
+    resumed = load_file(train(overrides(setup, out, "rpb", *extra, f"train.resume_from_checkpoint={spec}"))
+                        / "model.safetensors")  # fmt: skip
+    assert [d.name for d in complete_checkpoints(out)] == ["checkpoint-2", "checkpoint-3"]
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+    steps = [r["step"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3]
+    record = json.loads((out / "rpb_run.json").read_text())
+    assert record["global_step"] == 3 and Path(record["resumed_from"]).name in ("checkpoint-2", "checkpoint-3")
+
+
+def test_a_kill_after_the_final_checkpoint_resumes_to_nothing_more(setup, killed_at_the_end, tmp_path):
+    check_resume(setup, *killed_at_the_end, "auto", tmp_path)
+
+
+def test_a_resume_between_checkpoints_that_do_not_divide_max_steps(setup, killed_at_the_end, tmp_path):
+    check_resume(setup, *killed_at_the_end, "checkpoint-2", tmp_path)
+
+
+def test_mutant_one_more_step_after_the_final_checkpoint_is_caught(setup, killed_at_the_end, tmp_path, monkeypatch):
+    """The bug this guards: the Trainer took one more step (checkpoint-4 appeared after max_steps 3)."""
+    monkeypatch.delattr(AnchorTrainerMixin, "get_batch_samples")
+    with pytest.raises(AssertionError):
+        check_resume(setup, *killed_at_the_end, "auto", tmp_path)
+
+
+def test_mutant_random_state_not_restored_is_caught(setup, killed_at_the_end, tmp_path, monkeypatch):
+    """A resume that restores weights, optimizer and data position but not the RNG: dropout draws anew."""
+    monkeypatch.setattr(Trainer, "_load_rng_state", lambda self, checkpoint: None)
+    with pytest.raises(AssertionError):
+        check_resume(setup, *killed_at_the_end, "checkpoint-2", tmp_path)
 
 
 def test_auto_without_a_complete_checkpoint_starts_fresh(setup, tmp_path):

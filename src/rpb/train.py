@@ -73,6 +73,15 @@ class AnchorTrainerMixin:
         inputs = {k: v for k, v in inputs.items() if k not in ("rpb_sample_index", "rpb_span")}
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # A resume from the run's final checkpoint (a kill between its last save and the final one):
+        # the Trainer (5.0 to 5.24) enters the epoch that holds step max_steps and takes a step before it
+        # checks max_steps, so one more step would train and checkpoint-<max_steps + 1> appear. No
+        # batches: nothing trains, and the weights saved are the checkpoint's.
+        if self.state.global_step >= self.state.max_steps > 0:
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # ``return_outputs`` passes through: TRL's SFTTrainer runs a second forward to build logits when asked
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -80,16 +89,18 @@ class AnchorTrainerMixin:
         if model.training and self.anchor.method.loss is not None:
             term = self.anchor.loss()
             self._anchor_terms.append(float(term.detach()))
-            # the Trainer divides by the accumulation steps only when the model's loss is not
-            # already normalised over the whole accumulated batch; the anchor term is a
-            # per-micro-batch mean and needs that division either way
-            scaled = self.loss_is_scaled_for_ga
-            if scaled is None:
-                scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or bool(
-                    self.compute_loss_func
-                )
-            loss = loss + (term / self.current_gradient_accumulation_steps if scaled else term)
+            loss = loss + term / self._anchor_divisor(num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _anchor_divisor(self, num_items_in_batch) -> int:
+        """The anchor's term is a per-micro-batch mean: over an accumulated batch it must count once,
+        so it is divided by the accumulation steps. The Trainer divides the returned loss by them
+        itself only when the model's loss is not already normalised over the whole accumulated batch;
+        when it is, the division is ours."""
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or bool(self.compute_loss_func)
+        return self.current_gradient_accumulation_steps if scaled else 1
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -387,7 +398,9 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
         if trainer.is_world_process_zero():
             prepared.tokenizer.save_pretrained(out)
     if trainer.is_world_process_zero():
-        record = {"config": asdict(cfg), **prepared.info}
+        # the optimizer steps the saved weights have taken, and where a resumed run picked them up
+        steps = {"global_step": trainer.state.global_step, "resumed_from": resume}
+        record = {"config": asdict(cfg), **prepared.info, **steps}
         write_text_atomic(out / "rpb_run.json", json.dumps(record, indent=1, default=str))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
