@@ -40,6 +40,7 @@ def test_packed_and_unpacked_batches_give_the_same_per_token_bias():
     packed = AnchorCollator(pad_id=0, pack=True, max_len=12)(features)
     assert packed["input_ids"].shape[0] == 2  # 7 + 5 tokens in one row, 9 in the next
     assert packed["position_ids"][0].tolist() == list(range(7)) + list(range(5))
+    assert "attention_mask" not in packed  # given a mask, transformers would let packed examples attend across
     assert token_keys(plain) == token_keys(packed)
 
     model = build_tiny_model("qwen3_moe", 64)
@@ -47,7 +48,7 @@ def test_packed_and_unpacked_batches_give_the_same_per_token_bias():
     handle = install_anchor(model, AnchorConfig(method="rpb", beta=1.5), prior=pi)
 
     def per_token_bias(batch):
-        ctx = TokenContext.from_batch(batch["rpb_sample_index"], batch["rpb_span"], batch["attention_mask"])
+        ctx = TokenContext.from_batch(batch["rpb_sample_index"], batch["rpb_span"], batch.get("attention_mask"))
         tables = handle.prior.tables(ctx, torch.device("cpu"))
         bias_TLE = tables.bias_PLE[tables.pair_T] * tables.content_T[:, None, None]
         return bias_TLE[ctx.valid_T]

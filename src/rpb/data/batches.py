@@ -64,14 +64,14 @@ class AnchorCollator:
     Padding gets attention 0, label -100, sample -1 and span STRUCTURAL. With ``pack=True``
     the examples are concatenated greedily into rows of at most ``max_len`` tokens with
     ``position_ids`` restarting at every example; each token keeps its own (sample, span),
-    so the per-token bias is the one an unpacked batch would get. Isolating attention
-    between packed examples needs an attention implementation that reads position_ids
-    (flash-attention varlen); with others, packed examples attend across boundaries.
-    ``padding_free=True`` puts the whole batch into one row with no attention mask at all:
-    transformers then derives each example's extent from the restarting ``position_ids``
-    (varlen kernels, or a block-diagonal mask for sdpa and eager), so attention stays inside
-    each example. In both packed forms an example's first label is -100: after the shift it
-    would be predicted from the previous example's last token.
+    so the per-token bias is the one an unpacked batch would get. ``padding_free=True`` puts
+    the whole batch into one row. Packed batches carry no attention mask: given one, transformers
+    lets every token attend to the whole row, across examples; without one it derives each
+    example's extent from the restarting ``position_ids`` (varlen kernels, or a block-diagonal
+    mask for sdpa and eager), so attention stays inside each example. A packed row's padding has
+    position 0 throughout, so each padding token is a block of its own (sample -1: the anchor
+    counts it as padding). In both packed forms an example's first label is -100: after the
+    shift it would be predicted from the previous example's last token.
     """
 
     pad_id: int = 0
@@ -106,7 +106,7 @@ class AnchorCollator:
                     out["position_ids"][b, t : t + n] = torch.arange(n)
                     out["labels"][b, t] = IGNORE_INDEX
                 t += n
-        if self.padding_free:
+        if packed:
             del out["attention_mask"]
         return out
 
