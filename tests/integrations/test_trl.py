@@ -19,7 +19,7 @@ import trl
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rpb.anchors import METHODS, AnchorConfig
+from rpb.anchors import METHODS, AnchorConfig, AnchorHandle
 from rpb.artifact import load_artifact
 from rpb.collect import collect
 from rpb.config import ConfigError
@@ -28,6 +28,8 @@ from rpb.integrations.trl import SFTConfig, SFTTrainer, prepare
 from rpb.models import load_tokenizer
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import ARCHITECTURES
+from rpb.train import AnchorTrainerMixin
+from tests.hand_losses import Recorded, check_term_in_gradient, move_routers
 from tests.hand_routing import hand_select, token_bias
 
 ARCHS = ("moonlight", "qwen3_moe")
@@ -332,3 +334,85 @@ def test_peft_config_through_trl_moves_the_anchor_onto_the_router_that_runs(setu
     trainer.anchor.remove()
     check_against_hand("qwen3_moe", trainer, seen(), prior, beta=1.0)
     assert all(not torch.equal(c.weight, b) for c, b in zip(copies, before, strict=True))
+
+
+# ---- a loss anchor's term in the router gradient, and evaluation, under TRL --------------------
+COEF = 2.0
+
+
+def trl_step(setup, tmp_path, method: str) -> Recorded:
+    """One step of ``method`` (coefficient COEF) on qwen3_moe with the routers moved off the base after the
+    anchor copied it, recording what the routers saw."""
+    model_dir, data, prior = setup["qwen3_moe"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = load_tokenizer(str(model_dir))
+    handle, rows = prepare(model, tok, str(data), AnchorConfig(method=method, lambda_=COEF, lbl_coef=COEF), str(prior))
+    trainer = SFTTrainer(model, SFTConfig(**config(tmp_path, max_steps=1)), rows, anchor=handle, processing_class=tok)
+    move_routers(trainer.model)
+    seen = Recorded()
+    trainer.data_collator = seen.watch(trainer.model, trainer.data_collator)
+    trainer.train()
+    seen.rec.remove()
+    handle.remove()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def trl_sft(setup, tmp_path_factory):
+    model_dir = setup["qwen3_moe"][0]
+    base = load_file(model_dir / "model.safetensors")
+    base_routers = [base[k].double() for k in sorted(k for k in base if k.endswith("mlp.gate.weight"))]
+    return trl_step(setup, tmp_path_factory.mktemp("trl-sft"), "sft"), base_routers
+
+
+@pytest.mark.parametrize("method", ["lbl", "router-l2", "kl-to-base", "logit-l2"])
+def test_the_loss_terms_gradient_is_its_formulas(method, setup, trl_sft, tmp_path):
+    sft, base_routers = trl_sft
+    check_term_in_gradient(method, trl_step(setup, tmp_path, method), sft, base_routers, COEF, 2)
+
+
+def test_mutant_anchor_term_detached_under_trl_is_caught(setup, trl_sft, tmp_path, monkeypatch):
+    loss = AnchorHandle.loss
+    monkeypatch.setattr(AnchorHandle, "loss", lambda self: loss(self).detach())
+    sft, base_routers = trl_sft
+    with pytest.raises(AssertionError, match="kl-to-base router 1"):
+        check_term_in_gradient("kl-to-base", trl_step(setup, tmp_path, "kl-to-base"), sft, base_routers, COEF, 2)
+
+
+def check_trl_eval_untouched(setup, tmp_path) -> None:
+    """eval_dataset through rpb's SFTTrainer with rpb (beta 8) installed == plain TRL on the same rows."""
+    model_dir, data, prior = setup["qwen3_moe"]
+    tok = load_tokenizer(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    handle, rows = prepare(model, tok, str(data), AnchorConfig(method="rpb", beta=8.0), str(prior))
+    mine = SFTTrainer(model, SFTConfig(**config(tmp_path / "rpb")), rows, anchor=handle, processing_class=tok,
+                      eval_dataset=rows).evaluate()["eval_loss"]  # fmt: skip
+    handle.remove()
+    examples = ExampleDataset(rows.examples, "answer")
+    pretokenized = datasets.Dataset.from_dict({
+        "input_ids": [e["input_ids"] for e in examples], "labels": [e["labels"] for e in examples],
+    })  # fmt: skip
+    args = trl.SFTConfig(**config(tmp_path / "plain"), router_aux_loss_coef=0.0,
+                         dataset_kwargs={"skip_prepare_dataset": True})  # fmt: skip
+    plain = trl.SFTTrainer(AutoModelForCausalLM.from_pretrained(model_dir), args, train_dataset=pretokenized,
+                           eval_dataset=pretokenized, processing_class=tok)  # fmt: skip
+    theirs = plain.evaluate()["eval_loss"]
+    assert mine == pytest.approx(theirs, abs=1e-6), f"eval_loss {mine} against plain TRL's {theirs}"
+
+
+def test_evaluation_never_sees_the_anchor(setup, tmp_path):
+    check_trl_eval_untouched(setup, tmp_path)
+
+
+def test_mutant_bias_applied_in_trl_evaluation_is_caught(setup, tmp_path, monkeypatch):
+    """An evaluation step that runs with the anchor applied, as training does."""
+    predict = AnchorTrainerMixin.prediction_step
+
+    def biased(self, model, inputs, *args, **kwargs):
+        with self.anchor.applied_in_eval(), self.anchor.step(inputs["rpb_sample_index"], inputs["rpb_span"],
+                                                             inputs.get("attention_mask")):  # fmt: skip
+            return predict(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(AnchorTrainerMixin, "prediction_step", biased)
+    with pytest.raises(AssertionError, match="eval_loss"):
+        check_trl_eval_untouched(setup, tmp_path)
