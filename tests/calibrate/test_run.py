@@ -17,8 +17,9 @@ import json
 import pytest
 import torch
 
+import rpb.calibrate.run
 from rpb.anchors import PriorMismatchError
-from rpb.calibrate import calibrate
+from rpb.calibrate import calibrate, rule
 from rpb.cli import main
 from rpb.collect import collect
 from rpb.data import load_labelled
@@ -167,6 +168,66 @@ def test_both_displacements_equal_the_hand_selection(case):
     assert (tmp / "out" / "calibrate.png").stat().st_size > 5000 and "recommended beta" in (
         tmp / "out" / "calibrate.md"
     ).read_text()
+
+
+#: candidates around this model's crossing: counterfactual means (both) ~0.21, 0.41, 0.48, 0.53, 0.65; the A span
+#: alone crosses one half a beta earlier (~0.56 at 1.2), so a rule fed the A means recommends 1.0, not 1.2
+RULE_BETAS = [0.5, 1.0, 1.2, 1.4, 2.0]
+
+
+def by_hand_rule(mean_by_beta: dict[float, float]) -> float:
+    """docs/calibrate.md's rule: the largest candidate, in increasing order, before the first whose mean
+    counterfactual displacement exceeds one half; 0 when the smallest already does."""
+    chosen = 0.0
+    for beta in sorted(mean_by_beta):
+        if mean_by_beta[beta] > 0.5:
+            return chosen
+        chosen = beta
+    return chosen
+
+
+def check_recommendation(out) -> float:
+    """calibrate.json's recommended beta is the rule applied to its counterfactual displacement of content tokens
+    (both spans), averaged over MoE layers here; returns it."""
+    written = json.loads((out / "calibrate.json").read_text())
+    cf = written["displacement_counterfactual"]
+    means = {}
+    for beta in written["betas"]:
+        per_layer = cf["layers"][f"{beta:g}"]["both"]
+        assert len(per_layer) == len(written["moe_layers"])
+        means[beta] = sum(per_layer) / len(per_layer)
+        assert cf["mean"][f"{beta:g}"]["both"] == pytest.approx(means[beta], abs=1e-12)
+    expected = by_hand_rule(means)
+    assert written["recommended_beta"] == expected, f"recommended {written['recommended_beta']}, the rule {expected}"
+    return expected
+
+
+@pytest.fixture(scope="module")
+def recommended(case):
+    model, data, prior, tmp = case
+    calibrate(str(model), prior, data, out=tmp / "rule", betas=RULE_BETAS, rows=10, progress=False)
+    return tmp / "rule"
+
+
+def test_the_recommendation_is_the_rule_on_the_counterfactual_means(recommended):
+    beta = check_recommendation(recommended)
+    assert RULE_BETAS[0] < beta < RULE_BETAS[-1]  # neither trivially the first nor the last candidate
+
+
+def test_mutant_rule_fed_the_answer_span_is_caught(case, tmp_path, monkeypatch):
+    """The bug: calibrate hands the rule the A span's counterfactual means instead of both spans'."""
+    build = rpb.calibrate.run.build_report
+
+    def mutant(counter, betas, *args):
+        report = build(counter, betas, *args)
+        cf = report["displacement_counterfactual"]["mean"]
+        return report | {"recommended_beta": rule.recommend_beta({b: cf[f"{b:g}"]["A"] for b in betas})}
+
+    monkeypatch.setattr(rpb.calibrate.run, "build_report", mutant)
+    model, data, prior, _ = case
+    calibrate(str(model), prior, data, out=tmp_path, betas=RULE_BETAS, rows=10, progress=False)
+    with pytest.raises(AssertionError, match=r"recommended 1\.0, the rule 1\.2"):
+        check_recommendation(tmp_path)
 
 
 def test_a_sample_reads_only_its_rows_and_is_seeded(case):
