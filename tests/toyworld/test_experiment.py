@@ -1,7 +1,9 @@
 """The toy-world study at miniature size: a grid runs, resumes after kill -9 to the same tables, and refuses
 a changed set-up; evaluation splits and tables against hand computations."""
 
+import itertools
 import json
+import re
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -10,10 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rpb.toyworld.experiment import GRIDS, GridChangedError, Study
+from rpb.anchors import AnchorConfig
+from rpb.anchors.methods import get_method
+from rpb.toyworld.experiment import GRIDS, Arm, GridChangedError, Study
 from rpb.toyworld.tables import table
 from rpb.toyworld.tasks import DOMAINS, POST_SETS, sample, split_of
-from rpb.toyworld.world import eval_tasks, part_of, probe_tasks
+from rpb.toyworld.world import PostRecipe, eval_tasks, part_of, probe_tasks
 from tests.toyworld_mini import MINI_GRID, MINI_POST, kill_after_first_cell, mini_study
 
 
@@ -145,17 +149,171 @@ def test_tables_show_mean_and_sample_std_over_seeds():
     assert "| rpb-hard | 10.0 | 10.0 |" in main
 
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "toyworld.md"
+
+
+def _section(text: str, heading: str) -> str:
+    """The text under ``heading`` up to the next heading of the same or a higher level."""
+    level = heading.split(" ")[0]
+    start = text.index(f"\n{heading}\n") + len(heading) + 2
+    ends = [m.start() for m in re.finditer(r"\n(#+) ", text[start:]) if len(m.group(1)) <= len(level)]
+    return text[start : start + ends[0]] if ends else text[start:]
+
+
+def _table(section: str) -> list[list[str]]:
+    """The first markdown table's body rows, as lists of cells (an escaped \\| stays inside its cell)."""
+    lines = section.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), lines[first:]))
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows[2:]]
+
+
+def _documented_arm(item: str, default_beta: float) -> tuple[str, float | str]:
+    """``(method, beta)`` of one arm as the grids table writes it."""
+    if m := re.fullmatch(r"`([\w-]+)` at the calibrated beta", item):
+        return m.group(1), "calibrated"
+    if m := re.fullmatch(r"`([\w-]+)` \(beta ([\d.]+)\)", item):
+        return m.group(1), float(m.group(2))
+    m = re.fullmatch(r"`([\w-]+)`", item)
+    assert m, f"unreadable arm in the docs: {item!r}"
+    return m.group(1), default_beta
+
+
+def documented_grids(text: str) -> dict[str, dict]:
+    """What docs/toyworld.md states about each grid: its arms, seeds, sets, bases, cells, selection runs."""
+    default_beta = float(re.search(r"`rpb` anchors at beta ([\d.]+)", text).group(1))
+    roles = {row[0]: row[2] for row in _table(text[: text.index("\n## ")])}  # the domains table
+    post_sets = tuple(d for d, role in roles.items() if role.startswith("post-training set"))
+    trace_sets = tuple(d for d, role in roles.items() if role.startswith("long-trace set"))
+    grids = {}
+    for name, runs, _ in _table(_section(text, "## The experiment grids")):
+        arms_text, seeds_text, sets_text, rest = runs.split(" × ")
+        grid: dict = {"arms": None, "n_arms": None}
+        if m := re.fullmatch(r"(\d+) methods", arms_text):
+            grid["n_arms"] = int(m.group(1))
+        elif m := re.fullmatch(r"`([\w-]+)` at beta ([\d., ]+) and `([\w-]+)`", arms_text):
+            betas = [float(b) for b in m.group(2).split(", ")]
+            grid["arms"] = [(m.group(1), b) for b in betas] + [(m.group(3), default_beta)]
+        else:
+            grid["arms"] = [_documented_arm(item, default_beta) for item in arms_text.split(", ")]
+        if m := re.fullmatch(r"(\d+) seeds(?: \((\d+)–(\d+)\))?", seeds_text):
+            grid["n_seeds"] = int(m.group(1))  # the seeds themselves where the row names them
+            grid["seeds"] = tuple(range(int(m.group(2)), int(m.group(3)) + 1)) if m.group(2) else None
+        else:
+            grid["seeds"] = (int(re.fullmatch(r"seed (\d+)", seeds_text).group(1)),)
+            grid["n_seeds"] = 1
+        if m := re.fullmatch(r"(\d+) sets", sets_text):
+            assert int(m.group(1)) == len(post_sets), sets_text
+            grid["sets"] = post_sets
+        elif sets_text == "the long-trace set":
+            grid["sets"] = trace_sets
+        else:
+            prefix = re.fullmatch(r"(\w+) set", sets_text).group(1)
+            grid["sets"] = tuple(d for d in post_sets if d.startswith(prefix))
+        m = re.match(r"(\d+) bases|base (\d+)", rest)
+        grid["bases"] = tuple(range(int(m.group(1)))) if m.group(1) else (int(m.group(2)),)
+        cells = re.search(r"= (\d+)", rest)
+        grid["cells"] = int(cells.group(1)) if cells else None
+        selection = re.search(r"plus (\d+) (?:weight-)?selection runs", rest)
+        grid["selection runs"] = int(selection.group(1)) if selection else 0
+        grids[name.strip("`")] = grid
+    return grids
+
+
+def _arm_key(arm) -> tuple[str, float | str]:
+    return arm.method, "calibrated" if arm.calibrated else dict(arm.anchor).get("beta", AnchorConfig().beta)
+
+
+def _selection_runs(grid) -> int:
+    """Each weighted method tries its candidate weights once per base, unless the grid fixes the weights."""
+    if grid.coefficients is not None:
+        return 0
+    weighted = {a.method for a in grid.arms if get_method(a.method).coefficient}
+    return sum(len(grid.candidates[m]) for m in weighted) * len(grid.bases)
+
+
+def check_grids_match_docs() -> None:
+    text = DOCS.read_text()
+    flat = " ".join(text.split())  # for phrases, whatever the line wrapping
+    documented = documented_grids(text)
+    assert set(documented) == set(GRIDS) - {"demo"}, "every grid but the demo is in the docs' grids table"
+    default_beta = float(re.search(r"`rpb` anchors at beta ([\d.]+)", text).group(1))
+    assert AnchorConfig().beta == default_beta
+    for name, doc in documented.items():
+        grid = GRIDS[name]
+        if doc["arms"] is None:
+            assert len(grid.arms) == doc["n_arms"], name
+        else:
+            assert [_arm_key(a) for a in grid.arms] == doc["arms"], name
+        assert (len(grid.seeds), grid.sets, grid.bases) == (doc["n_seeds"], doc["sets"], doc["bases"]), name
+        assert doc["seeds"] in (None, grid.seeds), name
+        cells = len(grid.sets) * len(grid.arms) * len(grid.seeds) * len(grid.bases)
+        if doc["cells"] is not None:
+            assert cells == doc["cells"], name
+        code_runs = _selection_runs(grid)
+        assert code_runs == doc["selection runs"], name
+    # the full grid's 11 methods are the rows of the earlier full grid's main results table
+    main_rows = [row[0] for row in _table(_section(text, "### Main results")) if not row[0].startswith("*")]
+    assert [a.label for a in GRIDS["full"].arms] == main_rows
+    # the three-base grids' study recipe: 500 ID / 300 OOD test questions, the validation part scored too
+    recipe = re.search(r"(\d+) held-out test questions per post-training set \(ID\),\s+(\d+) per pretraining", text)
+    assert "every cell scored on the *validation* questions as well" in flat
+    for name, doc in documented.items():
+        if len(doc["bases"]) == 3:
+            post = GRIDS[name].post
+            assert (post.eval_id, post.eval_ood) == (int(recipe.group(1)), int(recipe.group(2))), name
+            assert post.score_parts == ("validation", "test"), name
+    # the demo: sft, lbl at a fixed weight, rpb and the calibrated arm, one seed on the math set, 100 questions
+    demo_text, demo = _section(text, "## The demo"), GRIDS["demo"]
+    rows = [row[0] for row in _table(demo_text) if not row[0].startswith("*")]
+    assert "That table predates the calibrated arm" in demo_text
+    assert [_arm_key(a) for a in demo.arms] == [(m, default_beta) for m in rows] + [("rpb", "calibrated")]
+    lbl = float(re.search(r"`lbl` \(weight ([\d.]+), the pretraining's; fixed", demo_text).group(1))
+    assert demo.coefficients == {"lbl": lbl}
+    assert "One seed on one set" in demo_text and len(demo.seeds) == 1 and demo.bases == (0,)
+    assert "the prior of the base over the math set" in flat and demo.sets == ("math_post",)
+    sizes = re.search(r"held-out test questions \((\d+)\)\. \*\*OOD\*\*.*?\((\d+) each;", text, re.S)
+    post = demo.post or PostRecipe()  # None: the demo keeps PostRecipe()
+    assert (post.eval_id, post.eval_ood) == (int(sizes.group(1)), int(sizes.group(2)))
+
+
 def test_the_grids_are_what_the_docs_say():
-    full = GRIDS["full"]
-    assert len(full.arms) == 11 and full.seeds == (42, 43, 44) and full.sets == POST_SETS and full.bases == (0, 1, 2)
-    assert len(full.sets) * len(full.arms) * len(full.seeds) * len(full.bases) == 198
-    headline = GRIDS["headline"]
-    assert [a.label for a in headline.arms] == ["sft", "lbl", "rpb", "rpb calibrated"] and headline.arms[-1].calibrated
-    assert len(headline.sets) * len(headline.arms) * len(headline.seeds) * len(headline.bases) == 72
-    for name in ("headline", "full", "beta"):  # the larger test sets, both parts scored
-        post = GRIDS[name].post
-        assert (post.eval_id, post.eval_ood, post.score_parts) == (500, 300, ("validation", "test"))
-    assert [a.label for a in GRIDS["demo"].arms] == ["sft", "lbl", "rpb", "rpb calibrated"]
-    assert GRIDS["demo"].post is None and GRIDS["demo"].bases == (0,)  # the demo keeps today's test sets
-    betas = [dict(a.anchor).get("beta") for a in GRIDS["beta"].arms]
-    assert betas == [0.0, 0.25, 0.5, 1.0, 2.0, 4.0, None] and GRIDS["beta"].arms[-1].method == "rpb-hard"
+    check_grids_match_docs()
+
+
+UNCALIBRATED = Arm("rpb calibrated", "rpb")  # the label kept, the calibration lost
+
+
+@pytest.mark.parametrize(
+    "bug",
+    [
+        lambda g: {**g, "full": replace(g["full"], seeds=(42, 43))},
+        lambda g: {**g, "beta": replace(g["beta"], arms=g["beta"].arms[:-2] + g["beta"].arms[-1:])},
+        lambda g: {
+            **g,
+            "headline": replace(g["headline"], arms=(*g["headline"].arms[:3], UNCALIBRATED)),
+        },
+        lambda g: {**g, "cot": replace(g["cot"], candidates={**g["cot"].candidates, "lbl": (0.01, 0.1)})},
+        lambda g: {**g, "demo": replace(g["demo"], coefficients={"lbl": 0.1})},
+    ],
+    ids=["seed_dropped", "beta_arm_dropped", "calibrated_flag_lost", "candidate_dropped", "demo_weight"],
+)
+def test_mutant_grid_changed_alone_is_caught(bug, monkeypatch):
+    for name, grid in bug(dict(GRIDS)).items():
+        monkeypatch.setitem(GRIDS, name, grid)
+    with pytest.raises(AssertionError):
+        check_grids_match_docs()
+
+
+@pytest.mark.parametrize(
+    ("stated", "edited"),
+    [("3 bases = 198", "3 bases = 200"), ("`rpb` at beta 0, 0.25, 0.5, 1, 2, 4", "`rpb` at beta 0, 0.25, 0.5, 1, 2")],
+    ids=["cell_count", "beta_list"],
+)
+def test_mutant_docs_changed_alone_is_caught(stated, edited, tmp_path, monkeypatch):
+    text = DOCS.read_text()
+    assert stated in text
+    (tmp_path / "toyworld.md").write_text(text.replace(stated, edited))
+    monkeypatch.setattr(f"{__name__}.DOCS", tmp_path / "toyworld.md")
+    with pytest.raises(AssertionError):
+        check_grids_match_docs()

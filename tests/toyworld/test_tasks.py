@@ -190,15 +190,64 @@ def test_train_and_heldout_never_overlap(domain):
     assert {split_of(t) for t in train} == {"train"} and {split_of(t) for t in held} == {"heldout"}
 
 
-@pytest.mark.parametrize("domain", ["math", "code", "text", "math_post", "code_post", "sum_trace"])
-def test_hashed_split_is_the_documented_sha256_rule(domain):
-    def held(q: str) -> bool:
-        return int(hashlib.sha256(q.encode()).hexdigest()[:16], 16) / 2**64 < 0.15
+# Golden splits, computed once with the documented rule: held out iff the first 8 bytes of
+# sha256(question, UTF-8), read big-endian, divided by 2**64, fall below 0.15. The unit value is noted
+# beside each; the near-threshold ones (0.13-0.17) catch a moved threshold, the rest a changed hash.
+GOLDEN_SPLITS = [
+    ("math", "rev 47+85=", "train"),  # 0.4032 (the docs' examples, all training questions)
+    ("code", "sort 3 1 2", "train"),  # 0.4167
+    ("text", "upper kiw", "train"),  # 0.3208
+    ("math_post", "rev 15+59+70=", "train"),  # 0.4228
+    ("code_post", "sort|reverse 3 1 2", "train"),  # 0.5607
+    ("sum_trace", "sum%10 a4 b7 c1 d9 e3", "train"),  # 0.9974
+    ("math", "rev 95+99=", "heldout"),  # 0.0001
+    ("code", "len 3 1 9 4 1", "heldout"),  # 0.0855
+    ("text", "upper hcepr", "heldout"),  # 0.0811
+    ("math_post", "rev 59+71+90=", "heldout"),  # 0.0930
+    ("code_post", "reverse|reverse 7 4 3 0 7", "heldout"),  # 0.0691
+    ("sum_trace", "sum%10 a0 b1 c0 d3 e8 f6", "heldout"),  # 0.0312
+    ("code", "len 0 5 3 3 1 8", "heldout"),  # 0.1425
+    ("text", "reverse tiu", "heldout"),  # 0.1339
+    ("math_post", "rev 83+52+38=", "heldout"),  # 0.1463
+    ("sum_trace", "sum%10 a1 b2 c4 d7 e3 f6", "heldout"),  # 0.1376
+    ("code_post", "sort|len 7 8 3 6", "train"),  # 0.1506
+    ("code", "max 9 7 4 3", "train"),  # 0.1596
+    ("math_post", "rev 34+53+25=", "train"),  # 0.1618
+    ("sum_trace", "sum%10 a7 b8 c7 d3 e3 f4 g2", "train"),  # 0.1652
+]
 
-    assert not any(held(t.question) for t in sample(domain, 500, seed=5))
-    assert all(held(t.question) for t in sample(domain, 200, seed=5, split="heldout"))
+
+def check_hashed_split_golden() -> None:
+    got = [(d, q, split_of(Task(d, q, ""))) for d, q, _ in GOLDEN_SPLITS]
+    assert got == GOLDEN_SPLITS
+
+
+def test_hashed_split_is_the_documented_sha256_rule():
+    check_hashed_split_golden()
+
+
+@pytest.mark.parametrize("fraction", [0.14, 0.16, 0.2])
+def test_mutant_moved_threshold_is_caught(fraction, monkeypatch):
+    monkeypatch.setattr("rpb.toyworld.tasks.HELDOUT_FRACTION", fraction)
+    with pytest.raises(AssertionError):
+        check_hashed_split_golden()
+
+
+def test_mutant_little_endian_hash_is_caught(monkeypatch):
+    """The same sha256 bytes read the other way round: still uniform, still 15%, another split."""
+
+    def little_endian(text: str) -> float:
+        return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "little") / 2**64
+
+    monkeypatch.setattr("rpb.toyworld.tasks.stable_unit", little_endian)
+    with pytest.raises(AssertionError):
+        check_hashed_split_golden()
+
+
+@pytest.mark.parametrize("domain", ["math", "code", "text", "math_post", "code_post", "sum_trace"])
+def test_about_the_documented_fraction_is_held_out(domain):
     rng = random.Random(0)
-    fraction = sum(held(generate(domain, rng).question) for _ in range(4000)) / 4000
+    fraction = sum(split_of(generate(domain, rng)) == "heldout" for _ in range(4000)) / 4000
     assert 0.12 < fraction < 0.18
 
 

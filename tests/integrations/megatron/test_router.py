@@ -4,6 +4,8 @@ recomputation and removal, refusals."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,6 +14,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is an optional extra:
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 
+from rpb import routing
+from rpb.adapters import get_adapter, router_spec
 from rpb.anchors import AnchorConfig
 from rpb.integrations.megatron import (
     MegatronAnchorError,
@@ -152,13 +156,8 @@ HF_SPECS = {
 }
 
 
-@pytest.mark.parametrize("name", [*HF_SPECS, "deepseek-v2-group-limited-greedy"])
+@pytest.mark.parametrize("name", list(HF_SPECS))
 def test_parity_with_hf_path(name):
-    if name not in HF_SPECS:
-        pytest.skip(
-            "DeepSeek-V2's group-limited greedy ranks each group by its best score (HF), megatron-core by "
-            "the sum of its top topk // group_topk scores: the two frameworks define this routing differently"
-        )
     case, spec = CASES[name], HF_SPECS[name]
     routers, pi, logits = build_routers(case), make_prior(), make_logits()
     handle = install_megatron_anchor(routers, AnchorConfig(method="rpb"), prior=pi)
@@ -172,6 +171,91 @@ def test_parity_with_hf_path(name):
         assert torch.equal(map_TE, hf_map)
         torch.testing.assert_close(probs_TE.gather(1, ids_TK), gates_TK, rtol=1e-6, atol=1e-6)
     handle.remove()
+
+
+# DeepSeek-V2's group-limited greedy has no parity case: transformers ranks each group by its best
+# score, megatron-core by the sum of its best topk // group_topk scores (2 here, as in DeepSeek-V2's
+# own 6 of 160 experts over 3 of 8 groups). Where those two rankings differ the two frameworks route
+# differently, so a Megatron model configured like DeepSeek-V2 is not the HF model: the check below
+# shows the divergence on values built for it, and agreement where the rankings coincide.
+# Selection values (logits + bias) per micro-batch row, 4 groups of 2 experts:
+# row 0: group 0 holds the best single score (3.0) but the weakest pair (e^3 + e^-5 = 20.09 against
+#   e^2.5 + e^2.4 = 23.20 and e^2.4 + e^2.3 = 20.99): HF keeps groups 0, 1 -> experts 0-3;
+#   megatron groups 1, 2 -> experts 2-5;
+# row 1: groups 0 and 1 lead by both measures: both keep experts 0-3.
+GROUP_VALUES_BE = torch.tensor([[3.0, -5.0, 2.5, 2.4, 2.4, 2.3, -1.0, -1.0], [3.0, 2.9, 2.5, 2.4, 1.0, 0.9, 0.0, -0.1]])
+
+
+def deepseek_v2_router() -> torch.nn.Module:
+    """transformers' own DeepSeek-V2 router with identity weights, so its logits are its input."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    config = DeepseekV2Config(
+        hidden_size=E, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=E, num_experts_per_tok=4,
+        n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+    )  # fmt: skip
+    router = DeepseekV2TopkRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+    return router
+
+
+def check_deepseek_v2_groups_diverge_from_megatron() -> None:
+    hf = deepseek_v2_router()
+    spec = router_spec(hf, get_adapter("deepseek_v2"))  # the HF path's pipeline for this router
+    case = CASES["softmax-pre-groups"]  # megatron's side: the same scores, top-k, groups and scaling
+    assert (case.topk, case.num_groups, case.group_topk, case.scaling) == (4, 4, 2, 1.5) == (
+        hf.top_k, hf.num_group, hf.topk_group, hf.routed_scaling_factor)  # fmt: skip
+    routers, pi = build_routers(case), make_prior()
+    handle = install_megatron_anchor(routers, AnchorConfig(method="rpb"), prior=pi)
+    handle.set_micro_batch(SAMPLE_BS, SPAN_BS)
+    try:
+        wanted_TE = GROUP_VALUES_BE.repeat(S, 1)  # router row t = s * B + b holds row b's values
+        for pos, router in enumerate(routers):
+            bias_TE = torch.tensor([token_bias(pi, pos, t // B, t % B) for t in range(S * B)], dtype=torch.float32)
+            logits_TE = wanted_TE - bias_TE  # so that every token's logits + bias are the designed values
+            probs_TE, map_TE = router.routing(logits_TE.reshape(S, B, E).clone())
+            gates_TK, ids_TK = route(logits_TE, spec, bias_TE)
+            with torch.no_grad():
+                transformers_ids_TK = hf(logits_TE + bias_TE)[2]
+            for t in range(S * B):
+                hf_ids, megatron_ids = sorted(ids_TK[t].tolist()), map_TE[t].nonzero().flatten().tolist()
+                assert hf_ids == sorted(transformers_ids_TK[t].tolist()), "the HF path is not transformers' rule"
+                if t % B == 0:
+                    assert (hf_ids, megatron_ids) == ([0, 1, 2, 3], [2, 3, 4, 5]), f"no divergence at row {t}"
+                else:
+                    assert hf_ids == megatron_ids == [0, 1, 2, 3], f"no agreement at row {t}"
+                    torch.testing.assert_close(probs_TE[t, ids_TK[t]], gates_TK[t], rtol=1e-6, atol=1e-6)
+    finally:
+        handle.remove()
+
+
+def test_deepseek_v2_group_limited_greedy_is_not_megatrons_group_routing():
+    check_deepseek_v2_groups_diverge_from_megatron()
+
+
+def test_mutant_hf_path_ranks_v2_groups_by_top2_sum_is_caught(monkeypatch):
+    """The HF path scoring DeepSeek-V2's groups as DeepSeek-V3's (by their best two) routes like megatron."""
+    original = routing.kept_groups
+    monkeypatch.setattr(routing, "kept_groups", lambda c, spec: original(c, replace(spec, group_scoring="top2-sum")))
+    with pytest.raises(AssertionError, match="transformers' rule"):
+        check_deepseek_v2_groups_diverge_from_megatron()
+
+
+def test_mutant_megatron_ranks_groups_by_best_score_is_caught(monkeypatch):
+    """A megatron-core that ranked groups by their best score would agree with HF: the check says so
+    (then DeepSeek-V2 deserves a parity case instead)."""
+
+    def by_best_score(scores, topk, num_tokens, num_experts, num_groups, group_topk):
+        best = scores.view(num_tokens, num_groups, -1).max(dim=-1).values
+        kept = torch.zeros_like(best).scatter(1, torch.topk(best, k=group_topk, dim=-1)[1], 1).bool()
+        keep = kept.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups).reshape(num_tokens, -1)
+        return torch.topk(scores.masked_fill(~keep, float("-inf")), k=topk, dim=-1)
+
+    monkeypatch.setattr(moe_utils, "group_limited_topk", by_best_score)
+    with pytest.raises(AssertionError, match="no divergence"):
+        check_deepseek_v2_groups_diverge_from_megatron()
 
 
 # ----------------------------------------------------------------------------- lifecycle
