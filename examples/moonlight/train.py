@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for note in cfg.notes:
         print(f"note: {note}", file=sys.stderr)
+    from rpb.integrations.megatron.versions import describe, installed_versions, version_warnings
+
+    found = installed_versions()  # package metadata: nothing of Bridge is imported
+    print(f"installed: {describe(found)}", file=sys.stderr)
+    for warning in version_warnings(found):
+        print(f"warning: {warning} (docs/megatron.md lists the tested lines)", file=sys.stderr)
     if args.dry_run:
         print(f"{args.config}: configuration OK")
         return 0

@@ -150,7 +150,12 @@ def _train(args) -> int:
 
 def _megatron_check(args) -> int:
     from rpb.integrations.megatron.config import load_megatron_config
+    from rpb.integrations.megatron.versions import describe, installed_versions, version_warnings
 
+    found = installed_versions()
+    print(f"installed: {describe(found)}")
+    for warning in version_warnings(found):
+        print(f"warning: {warning} (docs/megatron.md lists the tested lines)")
     cfg = load_megatron_config(args.config, args.overrides, check_files=args.files)
     for note in cfg.notes:
         print(f"note (departs from the paper): {note}")

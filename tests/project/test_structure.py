@@ -111,7 +111,6 @@ TESTED_THROUGH: dict[str, tuple[str, ...]] = {
     "data/jsonl.py": ("data/test_template.py",),
     "data/tokens.py": ("data/test_template.py",),
     "errors.py": ("test_models.py", "adapters/test_hf.py"),
-    "integrations/megatron/bridge.py": ("integrations/megatron/test_config.py",),
     "integrations/megatron/install.py": ("integrations/megatron/test_router.py",),
     "retention/markdown.py": ("retention/test_plots.py",),
     "retention/stats.py": ("retention/test_run.py",),

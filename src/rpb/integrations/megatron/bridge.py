@@ -6,9 +6,10 @@ builder and the context-setting iterator) are tested on CPU.
 Data. Bridge's stock SFT dataset tokenizes prompt and answer separately, truncates the
 prompt, and feeds ``input_ids[:-1]``: its tokens would not be the collector's, and its last
 position would never be routed. ``RPBSFTDataset`` keeps what Bridge's ``GPTSFTDataset``
-does for the file -- the memory-mapped JSONL with its index files, the seeded sample
-mapping over epochs -- and takes each row's tokens and Q/A spans from ``rpb.data``, the
-labelling the collector used. Every position of the truncated sequence is fed (the prior's
+does for the file -- the memory-mapped JSONL with its index files, the number of samples --
+and takes the row order from ``row_order`` (seeded by ``data.seed``, the same on every
+Bridge line; v0.3.1's own sample mapping ignores the seed) and each row's tokens and Q/A
+spans from ``rpb.data``, the labelling the collector used. Every position of the truncated sequence is fed (the prior's
 routed-position rule); the last one has no next token, so it carries no loss, and the
 loss is the one of the stock shifted dataset.
 
@@ -79,6 +80,39 @@ def micro_batch(
         out[SAMPLE_KEY][b, :n] = int(f["sample_index"])
         out[SPAN_KEY][b, :n] = spans
     return out
+
+
+#: module paths of Bridge's SFT dataset, newest line first (0.6.x moved it to gpt_sft; 0.3.1 has sft)
+SFT_DATASET_MODULES = ("megatron.bridge.data.datasets.gpt_sft", "megatron.bridge.data.datasets.sft")
+
+
+def sft_dataset_class():
+    """Bridge's ``GPTSFTDataset``, found by where the installed line keeps it."""
+    import importlib
+
+    tried = []
+    for name in SFT_DATASET_MODULES:
+        try:
+            return importlib.import_module(name).GPTSFTDataset
+        except (ImportError, AttributeError) as e:
+            tried.append(f"{name} ({type(e).__name__}: {e})")
+    raise ImportError("no GPTSFTDataset in the installed megatron-bridge; tried " + "; ".join(tried))
+
+
+def row_order(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
+    """The data file's rows in the order epoch ``epoch`` of a run with ``data.seed=seed`` reads them.
+
+    rpb's own seeded shuffle, the same on every Bridge line: Bridge v0.3.1's online sample mapping
+    keeps its own seed, so ``data.seed`` would not change the order there."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_rows, generator=gen)
+
+
+def sample_row(idx: int, num_rows: int, seed: int) -> int:
+    """The row behind global sample ``idx``: sample ``idx`` is position ``idx % N`` of epoch ``idx // N``
+    (a negative id, which pads a global batch in evaluation only, reads as its absolute value)."""
+    epoch, pos = divmod(abs(int(idx)), num_rows)
+    return int(row_order(num_rows, seed, epoch)[pos])
 
 
 class ContextIterator:
@@ -168,6 +202,10 @@ def build_container(cfg):
     c.logger.log_interval = t.log_interval
     c.tokenizer.tokenizer_model = cfg.model.tokenizer or cfg.model.hf_id
     c.tokenizer.hf_tokenizer_kwargs = {"trust_remote_code": cfg.model.trust_remote_code}
+    # the same run on every line: the schedule, dispatcher and optimizer precision set here, not by the recipe
+    from rpb.integrations.megatron.guard import check_container, enforce_contract
+
+    enforce_contract(c)
 
     # not stated by the paper: Megatron-Bridge's Moonlight recipe values, as the config records them
     for key in ("lr", "min_lr", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "clip_grad"):
@@ -182,22 +220,20 @@ def build_container(cfg):
         "weight_decay_incr_style",
     ):
         setattr(c.scheduler, key, getattr(s, key))
+    check_container(c, f"{cfg.model.recipe} with the run's settings")
     return c
 
 
 def dataset_provider(cfg, examples: list, pad_id: int):
     """A Bridge ``DatasetProvider`` whose training split is ``RPBSFTDataset`` (no validation or test split)."""
-    from megatron.bridge.data.datasets.sft import GPTSFTDataset
     from megatron.bridge.training.config import DatasetProvider
 
-    class RPBSFTDataset(GPTSFTDataset):
-        """GPTSFTDataset's file index, sample mapping and seed; rpb's tokens and spans for each row."""
+    class RPBSFTDataset(sft_dataset_class()):
+        """GPTSFTDataset's file index and length; rpb's row order (``row_order``, seeded by data.seed), tokens
+        and spans for each sample."""
 
         def __getitem__(self, idx):
-            row = int(idx)
-            if self.samples_mapping is not None:
-                row = int(self.samples_mapping[row][0])
-            e = examples[row % len(examples)]  # a negative id pads a global batch (evaluation only)
+            e = examples[sample_row(idx, len(examples), cfg.data.seed)]
             return {"input_ids": e.input_ids, "span_ids": e.span_ids, "sample_index": e.index}
 
         def collate_fn(self, batch):
@@ -242,13 +278,19 @@ class AnchoredForwardStep:
         self.cfg, self.prepared, self.handle = cfg, prepared, None
 
     def __call__(self, state, data_iterator, model, return_schedule_plan: bool = False):
+        if return_schedule_plan:
+            # Bridge asks for one under EP overlap's combined 1F1B schedule (build_container turns it off):
+            # the loss would leave without the anchor's term, and micro-batches interleave
+            raise RuntimeError(
+                "rpb: Bridge asked the anchored forward step for a schedule plan (EP communication overlap, "
+                "combined 1F1B); the anchor needs each micro-batch's forward and backward together and its loss "
+                "wrapped: set comm_overlap.overlap_moe_expert_parallel_comm=False (docs/megatron.md)"
+            )
         from megatron.bridge.training.gpt_step import forward_step
 
         if self.handle is None:
             self.handle = self.prepared.install(model, first_step=state.train_state.step == 0)
-        output, loss_fn = forward_step(state, ContextIterator(data_iterator, self.handle), model, return_schedule_plan)
-        if return_schedule_plan:
-            return output, loss_fn
+        output, loss_fn = forward_step(state, ContextIterator(data_iterator, self.handle), model)
         # Megatron calls the loss function right after this forward, while its context is set (every
         # method: the routing figures ride along in the report)
         return output, functools.partial(anchored_loss, loss_fn, self.handle)
@@ -340,6 +382,9 @@ def run_training(cfg) -> None:
     pad_id = prepared.tokenizer.eos_token_id if prepared.tokenizer.eos_token_id is not None else 0
     container.dataset = dataset_provider(cfg, prepared.data.examples, pad_id)
     step = AnchoredForwardStep(cfg, prepared)
+    from rpb.integrations.megatron.guard import check_container
+
+    check_container(container, "the container finetune receives")
     try:
         finetune(container, step)
     finally:
