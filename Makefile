@@ -14,6 +14,11 @@ $(BIN)/rpb: pyproject.toml
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	echo "$(TORCH)" > $(VENV)/torch-pin.txt && $(BIN)/python -m pip install --quiet -c $(VENV)/torch-pin.txt -e ".[megatron,trl,peft]"
+	@# each tested Megatron-Bridge line in a folder of its own (its wheels, no dependencies resolved into the
+	@# venv), for the contract tests, which put one folder at a time on PYTHONPATH (docs/megatron.md)
+	for line in $$($(BIN)/python -m rpb.integrations.megatron.versions lines); do \
+	  rm -rf $(VENV)/bridge/$$line && $(BIN)/python -m pip install --quiet --target $(VENV)/bridge/$$line \
+	    $$($(BIN)/python -m rpb.integrations.megatron.versions pip-args $$line) || exit 1; done
 	@touch $@
 
 venv: $(BIN)/rpb

@@ -85,3 +85,17 @@ def test_empty_file_is_an_error(tmp_path, moon_tok):
     empty.write_text("")
     with pytest.raises(DataError, match="no rows"):
         load_labelled(empty, moon_tok, MAX_LEN)
+
+
+def test_token_sha256_is_the_documented_bytes():
+    """Each list as its int64 count then its int64 values, little-endian, written out byte by byte."""
+    import hashlib
+
+    from rpb.data import Example
+
+    e = Example(3, [5, 258], [-1, 1])
+    raw = (b"\x02" + b"\x00" * 7 + b"\x05" + b"\x00" * 7 + b"\x02\x01" + b"\x00" * 6
+           + b"\x02" + b"\x00" * 7 + b"\xff" * 8 + b"\x01" + b"\x00" * 7)  # fmt: skip
+    assert e.token_sha256 == hashlib.sha256(raw).hexdigest()
+    assert Example(3, [5, 258], [-1, 0]).token_sha256 != e.token_sha256  # a span id alone changes it
+    assert Example(9, [5, 258], [-1, 1]).token_sha256 == e.token_sha256  # the row's tokens, not its position

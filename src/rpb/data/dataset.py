@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,16 @@ class Example:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def token_sha256(self) -> str:
+        """sha256 of the row's tokens and span ids (each list as its int64 count, then its int64 values,
+        little-endian): what two environments that label the same row (rpb under one transformers,
+        Megatron-Bridge's dataset under another) must agree on, since the prior's keys are token spans."""
+        h = hashlib.sha256()
+        for values in (self.input_ids, self.span_ids):
+            h.update(struct.pack(f"<q{len(values)}q", len(values), *values))
+        return h.hexdigest()
 
 
 @dataclass(frozen=True)

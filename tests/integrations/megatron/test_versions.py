@@ -48,3 +48,15 @@ def test_the_docs_table_is_the_tested_lines():
     text = (ROOT / "docs" / "megatron.md").read_text()
     rows = re.findall(r"^\| `megatron-bridge` (\S+) \| `transformers(\S*)` \| `python(\S*)` \|", text, re.M)
     assert rows == [(x.bridge, x.transformers, x.python) for x in TESTED_LINES]
+
+
+def test_the_bridge_environments_requirements_are_rpbs_minus_what_bridge_pins():
+    import tomllib
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    bridge_pins = {"torch", "transformers", "tokenizers", "huggingface-hub"}
+    wanted = sorted(str(Requirement(d)) for d in deps if Requirement(d).name not in bridge_pins)
+    lines = (ROOT / "examples" / "moonlight" / "requirements-rpb.txt").read_text().splitlines()
+    listed = sorted(str(Requirement(x)) for x in lines if x.strip() and not x.startswith("#"))
+    assert listed == wanted

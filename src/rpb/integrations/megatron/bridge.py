@@ -224,9 +224,9 @@ def build_container(cfg):
     return c
 
 
-def dataset_provider(cfg, examples: list, pad_id: int):
-    """A Bridge ``DatasetProvider`` whose training split is ``RPBSFTDataset`` (no validation or test split)."""
-    from megatron.bridge.training.config import DatasetProvider
+def rpb_sft_dataset(cfg, examples: list, pad_id: int, tokenizer, max_num_samples: int):
+    """Bridge's ``GPTSFTDataset`` on the data file (its memory-mapped index, its length) reading rpb's rows:
+    the training split ``dataset_provider`` builds. Imports only Bridge's SFT dataset module."""
 
     class RPBSFTDataset(sft_dataset_class()):
         """GPTSFTDataset's file index and length; rpb's row order (``row_order``, seeded by data.seed), tokens
@@ -239,34 +239,45 @@ def dataset_provider(cfg, examples: list, pad_id: int):
         def collate_fn(self, batch):
             return micro_batch(batch, pad_id, cfg.train.seq_length, cfg.data.pad_to_multiple, cfg.train.loss_on)
 
+    _importable(RPBSFTDataset)
+    train = RPBSFTDataset(
+        file_path=str(cfg.data_file),
+        tokenizer=tokenizer,
+        max_seq_length=cfg.train.seq_length,
+        seed=cfg.data.seed,
+        max_num_samples=max_num_samples,
+        prompt_template="{input} {output}",
+        label_key="output",
+        truncation_field="input",
+        memmap_workers=cfg.data.memmap_workers,
+    )
+    if len(train.indexed_dataset) != len(examples):
+        raise ValueError(
+            f"{cfg.data_file}: Bridge's index has {len(train.indexed_dataset)} rows, rpb read "
+            f"{len(examples)}; rebuild the index files (docs/megatron.md)"
+        )
+    return train
+
+
+def _importable(cls) -> None:
+    # Bridge writes the dataset config into every checkpoint (run_config.yaml) under its class's
+    # import path: give the class a resolvable one
+    cls.__qualname__ = cls.__name__
+    globals()[cls.__name__] = cls
+
+
+def dataset_provider(cfg, examples: list, pad_id: int):
+    """A Bridge ``DatasetProvider`` whose training split is ``rpb_sft_dataset`` (no validation or test split)."""
+    from megatron.bridge.training.config import DatasetProvider
+
     @dataclass(kw_only=True)
     class RPBDatasetProvider(DatasetProvider):
         seq_length: int
 
         def build_datasets(self, context):
-            train = RPBSFTDataset(
-                file_path=str(cfg.data_file),
-                tokenizer=context.tokenizer,
-                max_seq_length=cfg.train.seq_length,
-                seed=cfg.data.seed,
-                max_num_samples=context.train_samples,
-                prompt_template="{input} {output}",
-                label_key="output",
-                truncation_field="input",
-                memmap_workers=cfg.data.memmap_workers,
-            )
-            if len(train.indexed_dataset) != len(examples):
-                raise ValueError(
-                    f"{cfg.data_file}: Bridge's index has {len(train.indexed_dataset)} rows, rpb read "
-                    f"{len(examples)}; rebuild the index files (docs/megatron.md)"
-                )
-            return train, None, None
+            return rpb_sft_dataset(cfg, examples, pad_id, context.tokenizer, context.train_samples), None, None
 
-    # Bridge writes the dataset config into every checkpoint (run_config.yaml) under its class's
-    # import path: give both classes a resolvable one
-    for cls in (RPBSFTDataset, RPBDatasetProvider):
-        cls.__qualname__ = cls.__name__
-        globals()[cls.__name__] = cls
+    _importable(RPBDatasetProvider)
     # rows are pre-tokenized: loader workers would gain nothing
     return RPBDatasetProvider(seq_length=cfg.train.seq_length, dataloader_type="batch", num_workers=0)
 
