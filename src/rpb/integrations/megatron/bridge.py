@@ -156,12 +156,17 @@ def anchored_loss(loss_fn, handle, output_tensor):
 
 
 # ---- everything below imports megatron.bridge --------------------------------------------------
-def build_container(cfg):
-    """The Bridge ``ConfigContainer``: the Moonlight SFT recipe with the run's (the paper's) settings."""
+def build_container(cfg, model=None):
+    """The Bridge ``ConfigContainer``: the Moonlight SFT recipe with the run's (the paper's) settings.
+
+    ``model``: a model provider to run instead of the recipe's (``examples/moonlight/smoke.py``: a
+    scaled-down Moonlight from ``AutoBridge.to_megatron_provider``); the run's settings apply to it alike."""
     import importlib
 
     recipe = getattr(importlib.import_module("megatron.bridge.recipes.moonlight"), cfg.model.recipe)
     c = recipe()
+    if model is not None:
+        c.model = model
     p, t, m, o, s = cfg.parallel, cfg.train, cfg.moe, cfg.optimizer, cfg.scheduler
     model = c.model
     model.tensor_model_parallel_size = p.tensor
@@ -200,6 +205,7 @@ def build_container(cfg):
     c.checkpoint.load = f"{t.output_dir}/checkpoints"
     c.checkpoint.save_interval = t.save_interval
     c.logger.log_interval = t.log_interval
+    c.logger.tensorboard_dir = f"{t.output_dir}/tensorboard"  # the routing figures land there too
     c.tokenizer.tokenizer_model = cfg.model.tokenizer or cfg.model.hf_id
     c.tokenizer.hf_tokenizer_kwargs = {"trust_remote_code": cfg.model.trust_remote_code}
     # the same run on every line: the schedule, dispatcher and optimizer precision set here, not by the recipe
