@@ -265,10 +265,11 @@ def main() -> None:
     out: dict = {"line": line, "python": platform.python_version(), "objects": {}}
     imports = importlib.util.find_spec("torch") is not None and (root / "transformers").is_dir()
     out["imports"] = imports
-    if imports:
-        import transformers
+    import transformers
 
-        out["transformers"] = transformers.__version__
+    # v0.3.1: the folder's own 4.x; 0.6.2: only rpb's side (the signature check) runs, Bridge is read
+    out["transformers"] = transformers.__version__
+    if imports:
         imported_line(line, root, work, out)
     parsed_checks(line, root, work, out)
     print(json.dumps(out))

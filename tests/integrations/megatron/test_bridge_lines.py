@@ -144,6 +144,9 @@ def check_source_contract(report: dict) -> None:
     assert set(SFT_KWARGS) <= set(report["sft_dataset"]["init"])
     missing = [path for path, found in report["fields"].items() if not found]
     assert report["fields"] and missing == [], f"fields rpb sets that this line's classes lack: {missing}"
+    # the run contract's too: a field a line lacks would be skipped there, and the contract would not hold
+    absent = [path for path, found in report["contract_fields"].items() if not found]
+    assert sorted(report["contract_fields"]) == sorted(RUN_CONTRACT) and absent == [], absent
 
 
 def test_v031_runs_under_its_own_transformers_4(v031):
@@ -205,6 +208,8 @@ def test_v062_finds_the_sft_dataset_where_it_moved(v062, v031):
     assert v062["sft_dataset"]["module"] == "megatron/bridge/data/datasets/gpt_sft.py"
     assert v031["sft_dataset"]["module"] == "megatron/bridge/data/datasets/sft.py"
     assert v062["imports"] is False and all(v.startswith("parsed (Python 3.12") for v in v062["objects"].values())
+    # nothing of 0.6.2 ran under rpb's transformers: its source was read (the transformers printed is rpb's)
+    assert v062["transformers"].startswith("5.") and "dataset" not in v062
 
 
 @pytest.mark.parametrize("which", ["0.3.1", "0.6.2"])

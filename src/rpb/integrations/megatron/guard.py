@@ -83,13 +83,13 @@ RUN_CONTRACT: dict[str, object] = {
     "model.moe_router_fusion": False,
     "model.moe_token_dispatcher_type": "alltoall",
     "model.moe_shared_expert_overlap": True,
-    "model.moe_a2a_overlap": False,
     "optimizer.use_precision_aware_optimizer": True,
     "optimizer.main_params_dtype": torch.float32,
     "optimizer.main_grads_dtype": torch.bfloat16,
     "optimizer.exp_avg_dtype": torch.bfloat16,
     "optimizer.exp_avg_sq_dtype": torch.bfloat16,
     "ddp.grad_reduce_in_fp32": False,
+    "mixed_precision.grad_reduce_in_fp32": False,
 }
 
 
