@@ -130,6 +130,19 @@ def _gates_softmax(logits_TE, ids_TK, normalize: bool):
     return torch.tensor(gates, dtype=torch.float64)
 
 
+def _select_logits_topk(router, choice_logits_TE):
+    """gpt-oss: the top-k of the logits themselves (its router bias is inside them)."""
+    return torch.tensor([_top(z, list(range(len(z))), router.top_k) for z in choice_logits_TE.float().tolist()])
+
+
+def _gates_softmax_of_chosen(router, logits_TE, ids_TK):
+    """gpt-oss: the softmax over the chosen experts' logits alone."""
+    gates = []
+    for z, chosen in zip(logits_TE.double().tolist(), ids_TK.tolist(), strict=True):
+        gates.append(_softmax([z[e] for e in chosen]))
+    return torch.tensor(gates, dtype=torch.float64)
+
+
 #: router class -> (selection on choice logits, gates on unbiased logits at given experts)
 REFERENCES = {
     "DeepseekV3TopkRouter": (_select_deepseek_v3, _gates_deepseek_v3),
@@ -139,6 +152,9 @@ REFERENCES = {
     "OlmoeTopKRouter": (_select_softmax_topk, lambda r, z, ids: _gates_softmax(z, ids, r.norm_topk_prob)),
     # Mixtral always renormalises
     "MixtralTopKRouter": (_select_softmax_topk, lambda r, z, ids: _gates_softmax(z, ids, True)),
+    # GLM-4.5: DeepSeek-V3's rule, written in its own modeling file the same way
+    "Glm4MoeTopkRouter": (_select_deepseek_v3, _gates_deepseek_v3),
+    "GptOssTopKRouter": (_select_logits_topk, _gates_softmax_of_chosen),
 }
 
 

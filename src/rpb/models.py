@@ -14,6 +14,7 @@ from typing import Literal, get_args
 import torch
 
 from rpb.adapters import RouterFacts, get_adapter
+from rpb.adapters.aliases import register_model_aliases
 from rpb.errors import ArgumentError, RpbError
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
@@ -83,6 +84,7 @@ def load_base_model(
     from transformers.utils import logging as hf_logging
 
     dt = torch_dtype(dtype)
+    register_model_aliases()
     with _loading(f"model {model_id!r}"):
         config = AutoConfig.from_pretrained(model_id, trust_remote_code=False)
     facts = get_adapter(adapter or config.model_type)  # fail on unsupported families before loading weights
@@ -100,6 +102,7 @@ def load_causal_lm(model_id: str, dtype: str = "float32") -> torch.nn.Module:
     """The whole model with its LM head (for training and generation), native class, no remote code."""
     from transformers import AutoModelForCausalLM
 
+    register_model_aliases()
     with _loading(f"model {model_id!r}"):
         return AutoModelForCausalLM.from_pretrained(model_id, dtype=torch_dtype(dtype), trust_remote_code=False)
 

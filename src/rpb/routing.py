@@ -38,10 +38,18 @@ class RouterSpec:
     weights_in_logits_dtype: bool = False
 
 
+#: the score functions a router may apply: "softmax" / "sigmoid" over all experts, both in float32;
+#: "topk-softmax" (gpt-oss) selects on the logits themselves and takes the softmax of the chosen ones
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "topk-softmax")
+
+
 def scores(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
-    """The router's score function, in float32 (as every supported router computes it)."""
+    """What the router ranks the experts by: its score function in float32, or (``topk-softmax``) the
+    logits as they are."""
     if score_function == "sigmoid":
         return logits_TE.float().sigmoid()
+    if score_function == "topk-softmax":
+        return logits_TE
     return torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
 
 
@@ -91,6 +99,8 @@ def select(
 
 def combine_weights(logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     """``gates_TK``: the model's gates for the chosen experts, from the unbiased logits."""
+    if spec.score_function == "topk-softmax":  # gpt-oss: the softmax of the chosen logits, in their dtype
+        return torch.softmax(logits_TE.gather(1, topk_ids_TK), dim=1, dtype=logits_TE.dtype)
     gates_TK = scores(logits_TE, spec.score_function).gather(1, topk_ids_TK)
     if spec.normalize:
         denominator = gates_TK.sum(dim=-1, keepdim=True)

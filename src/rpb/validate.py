@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from rpb.adapters import checkpoint_routers_sha256
+from rpb.adapters.aliases import register_model_aliases
 from rpb.anchors.verify import model_mismatches
 from rpb.artifact import REQUIRED_METADATA, SCHEMA, SCHEMA_VERSION, ArtifactError, load_artifact
 from rpb.data.jsonl import file_sha256, row_digests
@@ -161,6 +162,7 @@ def _check_model(meta: dict, expected_model: str, problems: list[str]) -> None:
 
     try:
         model_dir = _model_dir(expected_model)
+        register_model_aliases()
         model_type = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False).model_type
         # routed with another family's facts at collection (--adapter)? the same model is, here too
         adapter = meta.get("adapter") if model_type == meta.get("model_type") else None

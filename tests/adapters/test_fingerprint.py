@@ -111,3 +111,20 @@ def test_the_fingerprint_is_of_bfloat16_bytes():
     nudged = a + 1e-6  # below bfloat16's resolution at 1 and 2
     assert fingerprint_module.fingerprint([[a]]) == fingerprint_module.fingerprint([[nudged]])
     assert fingerprint_module.fingerprint([[a]]) != fingerprint_module.fingerprint([[a * 1.01]])
+
+
+def test_gpt_oss_router_bias_is_part_of_the_fingerprint(save_tiny, tmp_path):
+    """gpt-oss's router bias sits inside its logits: a prior read off another bias is another base."""
+    model_dir = save_tiny("gpt_oss")
+    tensors = load_file(model_dir / "model.safetensors")
+    key = "model.layers.1.mlp.router.bias"
+    assert key in tensors
+    tensors[key] = tensors[key] + 0.5
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "model.safetensors":
+            (other / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    assert checkpoint_routers_sha256(other).routers_sha256 != checkpoint_routers_sha256(model_dir).routers_sha256
+    assert loaded_fingerprint(other) == checkpoint_routers_sha256(other).routers_sha256

@@ -504,6 +504,35 @@ def test_base_router_losses_by_hand_on_valid_tokens(arch, method, transform):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize("method", ["kl-to-base", "logit-l2", "router-l2"])
+def test_gpt_oss_base_router_keeps_its_bias(method):
+    """gpt-oss's router bias is inside its logits: the frozen base router is weight and bias, both moved here."""
+    model, routers, _, input_ids = make_case("gpt_oss")
+    model.train()
+    base = [(r.weight.detach().double().clone(), r.bias.detach().double().clone()) for r in routers]
+    handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.1))
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for r in routers:
+            r.bias.add_(0.5 * torch.randn(r.bias.shape, generator=gen))
+            r.weight.add_(0.1 * torch.randn(r.weight.shape, generator=gen))
+    tap = RouterTap(routers)
+    got = handle_loss_of(model, handle, input_ids)
+    per_layer = []
+    for layer, r in enumerate(routers):
+        w0, b0 = base[layer]
+        if method == "router-l2":
+            per_layer.append((r.weight.double() - w0).pow(2).sum() + (r.bias.double() - b0).pow(2).sum())
+            continue
+        hidden_TH, logits_TE = tap.calls[layer][-1][:2]
+        base_TE = hidden_TH[VALID_T].double() @ w0.T + b0
+        term = hand_kl if method == "kl-to-base" else hand_logit_l2
+        per_layer.append(term(logits_TE[VALID_T].double(), base_TE, "softmax"))
+    expected = 0.1 * torch.stack(per_layer).mean()
+    torch.testing.assert_close(got.double(), expected.detach(), rtol=1e-5, atol=1e-8)
+    handle.remove()
+
+
 @pytest.mark.parametrize("method", ["rpb", "lbl", "kl-to-base", "logit-l2"])
 def test_padding_contents_change_nothing(method):
     """Garbage token ids and span labels at padded positions change neither the routing of the valid

@@ -5,7 +5,7 @@ transforms.
 The reference side is independent of the collector: token ids are assembled piece by
 piece from hand-written Moonlight markers (so the Q/A positions are known by
 construction), each row runs alone and unpadded through the full causal LM, and the
-router logits are captured by a forward hook on ``model.layers[i].mlp.gate``.
+router logits are captured by a forward hook on ``model.layers[i].mlp.gate`` (gpt-oss: ``mlp.router``).
 """
 
 import pytest
@@ -30,7 +30,8 @@ CONVERSATIONS = [
     [("user", "x"), ("assistant", "y")],
 ]
 # model-layer indices of the MoE layers, from each config (first_k_dense_replace / mlp_only_layers)
-EXPECTED_MOE_LAYERS = {"deepseek_v3": [1, 2], "deepseek_v2": [1, 2], "qwen3_moe": [1, 2]}
+EXPECTED_MOE_LAYERS = {"deepseek_v3": [1, 2], "deepseek_v2": [1, 2], "qwen3_moe": [1, 2], "glm4_moe": [1, 2],
+                       "kimi_k2": [1, 2]}  # fmt: skip
 
 
 def char_ids(tok, text):
@@ -70,7 +71,7 @@ def expected_prior(model_dir, tok, transform):
     captured = {}
     hooks = []
     for i, layer in enumerate(model.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
+        gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)  # gpt-oss: mlp.router
         if gate is not None and type(gate).__name__.endswith(("TopkRouter", "TopKRouter")):
             hooks.append(gate.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0])))
     rows = []

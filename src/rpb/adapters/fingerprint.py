@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from rpb.adapters.aliases import register_model_aliases
 from rpb.adapters.hf import MoELayer, RouterFacts, UnsupportedModelError, get_adapter
 
 
@@ -33,10 +34,12 @@ def fingerprint(tensors_by_layer: list[list[torch.Tensor]]) -> str:
 
 
 def _router_tensors(layer: MoELayer, facts: RouterFacts) -> list[torch.Tensor]:
-    tensors = [layer.router.weight]
-    if facts.expert_bias is not None:
-        tensors.append(getattr(layer.router, facts.expert_bias))
-    return tensors
+    return [getattr(layer.router, name) for name in _router_tensor_names(facts)]
+
+
+def _router_tensor_names(facts: RouterFacts) -> list[str]:
+    """The router's tensors that decide its routing: its weight, and its expert or router bias."""
+    return ["weight"] + [name for name in (facts.expert_bias, facts.router_bias) if name is not None]
 
 
 def routers_sha256(layers: list[MoELayer], facts: RouterFacts) -> str:
@@ -95,17 +98,18 @@ def checkpoint_routers_sha256(model_dir: str | Path, adapter: str | None = None)
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
+    register_model_aliases()
     config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
     facts = get_adapter(adapter or config.model_type)
     pattern = re.compile(facts.router_path)
     rename = _renamer(config.model_type)
     found: dict[int, dict[str, tuple[str, Path]]] = {}
+    wanted = _router_tensor_names(facts)
     for name, path in _tensor_files(model_dir).items():
         module, _, param = rename(name).rpartition(".")
         match = pattern.search(module)
-        if match is not None and param in ("weight", facts.expert_bias):
+        if match is not None and param in wanted:
             found.setdefault(int(match.group(1)), {})[param] = (name, path)
-    wanted = ["weight"] + ([facts.expert_bias] if facts.expert_bias else [])
     missing = [f"layer {i}: {p}" for i, params in sorted(found.items()) for p in wanted if p not in params]
     if not found or missing:
         raise UnsupportedModelError(

@@ -15,6 +15,7 @@ describe the model's own routing pipeline, which the training anchors reproduce.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from rpb.errors import ArgumentError, RpbError
-from rpb.routing import RouterSpec
+from rpb.routing import SCORE_FUNCTIONS, RouterSpec
 
 
 @dataclass(frozen=True)
@@ -30,12 +31,14 @@ class RouterFacts:
     model_type: str
     #: class name of the router module, checked so a wrong match fails loudly
     router_class: str
-    #: "sigmoid" or "softmax": the score function the router applies to its logits
+    #: "sigmoid", "softmax" or "topk-softmax" (``rpb.routing.SCORE_FUNCTIONS``): what the router ranks by
     score_function: str
     #: regex on module names; group 1 is the decoder-layer index
     router_path: str = r"(?:^|\.)layers\.(\d+)\.mlp\.gate$"
     #: router buffer added to scores for selection only (DeepSeek-V3 / Moonlight)
     expert_bias: str | None = None
+    #: the router's own bias parameter, inside its logits (gpt-oss): fingerprinted, and part of the base router
+    router_bias: str | None = None
     #: group-limited top-k: None, "top2-sum" (DeepSeek-V3: groups ranked by the sum of their two
     #: best biased scores, losers masked to -inf) or "max" (DeepSeek-V2: by their best score,
     #: losers masked to 0)
@@ -70,8 +73,8 @@ def register_adapter(facts: RouterFacts, *, overwrite: bool = False) -> RouterFa
     """Add (or, with overwrite=True, replace) the router facts for a model_type."""
     if facts.model_type in ADAPTERS and not overwrite:
         raise ArgumentError(f"an adapter for model_type {facts.model_type!r} exists; pass overwrite=True to replace it")
-    if facts.score_function not in ("sigmoid", "softmax"):
-        raise ArgumentError(f"score_function must be 'sigmoid' or 'softmax', got {facts.score_function!r}")
+    if facts.score_function not in SCORE_FUNCTIONS:
+        raise ArgumentError(f"score_function must be one of {SCORE_FUNCTIONS}, got {facts.score_function!r}")
     ADAPTERS[facts.model_type] = facts
     return facts
 
@@ -101,8 +104,31 @@ for _facts in (
     RouterFacts("qwen2_moe", "Qwen2MoeTopKRouter", "softmax", weights_in_logits_dtype=True),
     RouterFacts("olmoe", "OlmoeTopKRouter", "softmax", weights_in_logits_dtype=True),
     RouterFacts("mixtral", "MixtralTopKRouter", "softmax", normalize=True),
+    # GLM-4.5 routes as DeepSeek-V3 does: sigmoid, expert-correction bias, groups by their two best
+    RouterFacts(
+        "glm4_moe",
+        "Glm4MoeTopkRouter",
+        "sigmoid",
+        expert_bias="e_score_correction_bias",
+        group_scoring="top2-sum",
+        normalize_eps=1e-20,
+        scaling_attr="routed_scaling_factor",
+        topk_sorted=False,
+    ),
+    # gpt-oss: top-k of the logits (its router has a bias, inside the logits), softmax over the chosen
+    RouterFacts(
+        "gpt_oss",
+        "GptOssTopKRouter",
+        "topk-softmax",
+        router_path=r"(?:^|\.)layers\.(\d+)\.mlp\.router$",
+        router_bias="bias",
+        router_module="mlp.router",
+        normalize=False,
+    ),
 ):
     register_adapter(_facts)
+# Kimi-K2 is DeepSeek-V3-shaped and declares its own model_type (rpb.models maps it to DeepSeek-V3's classes)
+register_adapter(dataclasses.replace(ADAPTERS["deepseek_v3"], model_type="kimi_k2"))
 
 
 class UnsupportedModelError(RpbError):

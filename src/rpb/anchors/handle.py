@@ -49,6 +49,11 @@ class _Layer:
     spec: RouterSpec
     expert_bias_E: torch.Tensor | None
     base_weight_EH: torch.Tensor | None = None  # frozen float32 copy, kept unsharded
+    base_bias_E: torch.Tensor | None = None  # the router's own bias (gpt-oss), frozen float32 copy
+
+    def base_logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
+        """The frozen base router's logits on ``hidden_TH`` (float32), its bias included where it has one."""
+        return nn.functional.linear(hidden_TH, self.base_weight_EH, self.base_bias_E)
 
 
 @dataclass
@@ -179,9 +184,11 @@ class AnchorHandle:
             state.logits_TE, state.valid_T = logits_TE, valid_T
         if "base_logits" in reads:
             hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()
-            state.base_logits_TE = nn.functional.linear(hidden_TH, layer.base_weight_EH)
+            state.base_logits_TE = layer.base_logits(hidden_TH)
         if "weights" in reads:
             state.weights = ((module.weight, layer.base_weight_EH),)
+            if layer.base_bias_E is not None:
+                state.weights += ((getattr(module, self.facts.router_bias), layer.base_bias_E),)
         return self.method.loss.term(state)
 
     @torch.no_grad()
@@ -201,7 +208,7 @@ class AnchorHandle:
         if layer.base_weight_EH is not None:
             # the current router's own choice against the base router's, both on the current hidden states
             hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()
-            base_TE = nn.functional.linear(hidden_TH, layer.base_weight_EH)
+            base_TE = layer.base_logits(hidden_TH)
             base_ids_TK, _ = select_with_groups(base_TE, layer.spec, expert_bias_E=layer.expert_bias_E)
             shared_T = (native_ids_TK[:, :, None] == base_ids_TK[:, None, :]).any(-1).sum(-1)
             s.overlap += int(shared_T[valid_T].sum())
@@ -264,7 +271,10 @@ def install_anchor(
     for m in moe_layers:
         bias = getattr(m.router, facts.expert_bias) if facts.expert_bias else None
         base = m.router.weight.detach().float().clone() if method.needs_base_router else None
-        layers.append(_Layer(m, router_spec(m.router, facts), bias, base))
+        base_bias = None
+        if method.needs_base_router and facts.router_bias is not None:
+            base_bias = getattr(m.router, facts.router_bias).detach().float().clone()
+        layers.append(_Layer(m, router_spec(m.router, facts), bias, base, base_bias))
 
     routing = None
     if method.needs_prior:
