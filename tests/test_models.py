@@ -63,3 +63,83 @@ def test_mutant_pad_id_is_caught(bug, moon_tok, monkeypatch):
     monkeypatch.setattr(f"{__name__}.pad_id_of", bug)
     with pytest.raises(AssertionError):
         check_pad_id(moon_tok)
+
+
+def with_config(model_dir, tmp_path, **changes):
+    """A copy of ``model_dir`` whose config.json has ``changes`` (weights untouched)."""
+    import json
+    import shutil
+
+    out = tmp_path / "edited"
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
+
+
+def no_weights_read(monkeypatch):
+    """Any weight load fails the test: refusals must come before."""
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    for cls in (transformers.AutoModel, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(cls, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize(
+    ("arch", "changes", "named"),
+    [
+        ("moonlight", {"scoring_func": "softmax"}, "scoring_func='softmax': transformers' deepseek_v3 class ignores"),
+        ("moonlight", {"topk_method": "greedy"}, "topk_method='greedy'"),
+        ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob=True: transformers' deepseek_v2 class ignores it and "
+                                                   "never renormalises"),
+        ("moonlight", {"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'"),
+    ],
+)  # fmt: skip
+def test_what_the_native_class_would_run_otherwise_is_refused_before_any_weight(
+    arch, changes, named, save_tiny, tmp_path, monkeypatch
+):
+    edited = with_config(save_tiny(arch), tmp_path, **changes)
+    no_weights_read(monkeypatch)
+    for load in (lambda p: load_causal_lm(p), lambda p: load_base_model(p, device="cpu")):
+        with pytest.raises(ModelLoadError, match="refused before loading its weights") as err:
+            load(str(edited))
+        assert named in str(err.value)
+
+
+def test_the_published_routing_values_are_the_implemented_ones():
+    """Moonlight / DeepSeek-V3 / Kimi-K2 / DeepSeek-V2-Lite as they ship (tests/fixtures/configs) pass."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from rpb.adapters import get_adapter
+    from rpb.adapters.aliases import register_model_aliases
+    from rpb.adapters.hf import unimplemented_routing
+
+    register_model_aliases()
+    fixtures = Path(__file__).parent / "fixtures" / "configs"
+    for name in ("deepseek_v3", "kimi_k2", "deepseek_v2_lite"):
+        published = json.loads((fixtures / f"{name}.json").read_text())
+        published = {k: v for k, v in published.items() if k != "model_type"} | {"_type": published["model_type"]}
+        config = AutoConfig.for_model(published.pop("_type"), **published)
+        assert unimplemented_routing(config, get_adapter(config.model_type)) == [], name
+    # and a value off what the class does is named
+    wrong = AutoConfig.for_model("deepseek_v3", scoring_func="softmax", topk_method="noaux_tc")
+    assert unimplemented_routing(wrong, get_adapter("deepseek_v3")) == [
+        "scoring_func='softmax': transformers' deepseek_v3 class ignores it and scores every expert with a sigmoid "
+        "('sigmoid')"
+    ]
+
+
+def test_validate_reads_a_quantized_checkpoints_routers_as_they_are(save_tiny, tmp_path, monkeypatch):
+    """rpb validate fingerprints the router tensors alone: a quantized checkpoint needs no dequantizing."""
+    from rpb.adapters import checkpoint_routers_sha256
+
+    plain = save_tiny("moonlight")
+    edited = with_config(plain, tmp_path, quantization_config={"quant_method": "fp8"})
+    no_weights_read(monkeypatch)
+    assert checkpoint_routers_sha256(edited).routers_sha256 == checkpoint_routers_sha256(plain).routers_sha256

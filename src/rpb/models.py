@@ -13,8 +13,9 @@ from typing import Literal, get_args
 
 import torch
 
-from rpb.adapters import RouterFacts, get_adapter
+from rpb.adapters import ADAPTERS, RouterFacts, get_adapter
 from rpb.adapters.aliases import register_model_aliases
+from rpb.adapters.hf import unimplemented_routing
 from rpb.errors import ArgumentError, RpbError
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
@@ -70,6 +71,29 @@ def resolve_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def loading_problems(config, facts: RouterFacts | None, device: torch.device) -> list[str]:
+    """What would make the native class run this checkpoint otherwise than it was trained, or not at all
+    here, before any weight is read: routing keys the class ignores (``unimplemented_routing``), and
+    quantized weights on a CPU."""
+    out = unimplemented_routing(config, facts) if facts is not None else []
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if method is not None and device.type == "cpu":
+        out.append(
+            f"quantization_config: quant_method={method!r}: the weights are quantized, and rpb runs the whole base "
+            "model forward (collect, calibrate, train, retention), which transformers' quantized kernels do not do "
+            "on a CPU; run on a GPU, or dequantize the checkpoint to bfloat16 first and point rpb at that copy "
+            "(`rpb validate` reads the routers only and works on it as it is)"
+        )
+    return out
+
+
+def _check_loadable(model_id: str, config, facts: RouterFacts | None, device: torch.device) -> None:
+    problems = loading_problems(config, facts, device)
+    if problems:
+        raise ModelLoadError(f"model {model_id!r} is refused before loading its weights:\n  " + "\n  ".join(problems))
+
+
 def load_base_model(
     model_id: str, dtype: str = "float32", adapter: str | None = None, device: str = "auto"
 ) -> tuple[torch.nn.Module, RouterFacts]:
@@ -88,6 +112,7 @@ def load_base_model(
     with _loading(f"model {model_id!r}"):
         config = AutoConfig.from_pretrained(model_id, trust_remote_code=False)
     facts = get_adapter(adapter or config.model_type)  # fail on unsupported families before loading weights
+    _check_loadable(model_id, config, facts, resolve_device(device))
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the LM head is left out on purpose; do not report it
     try:
@@ -100,9 +125,13 @@ def load_base_model(
 
 def load_causal_lm(model_id: str, dtype: str = "float32") -> torch.nn.Module:
     """The whole model with its LM head (for training and generation), native class, no remote code."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     register_model_aliases()
+    with _loading(f"model {model_id!r}"):
+        config = AutoConfig.from_pretrained(model_id, trust_remote_code=False)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _check_loadable(model_id, config, ADAPTERS.get(config.model_type), device)
     with _loading(f"model {model_id!r}"):
         return AutoModelForCausalLM.from_pretrained(model_id, dtype=torch_dtype(dtype), trust_remote_code=False)
 

@@ -27,6 +27,18 @@ from rpb.routing import SCORE_FUNCTIONS, RouterSpec
 
 
 @dataclass(frozen=True)
+class NativeValue:
+    """A routing key of ``config.json`` the native class does not read: the values it implements anyway.
+    A config giving another value would be routed differently from what the checkpoint was trained
+    with, without a word from transformers; rpb refuses it before any compute."""
+
+    key: str
+    implemented: tuple
+    #: what the native class does, whatever the key says
+    behaviour: str
+
+
+@dataclass(frozen=True)
 class RouterFacts:
     model_type: str
     #: class name of the router module, checked so a wrong match fails loudly
@@ -64,6 +76,8 @@ class RouterFacts:
     router_module: str = "mlp.gate"
     #: the routed experts' fused weights (transformers v5), which LoRA targets by parameter
     expert_parameters: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    #: config keys the native class ignores, and the values it implements (``unimplemented_routing``)
+    native_values: tuple[NativeValue, ...] = ()
 
 
 ADAPTERS: dict[str, RouterFacts] = {}
@@ -79,6 +93,10 @@ def register_adapter(facts: RouterFacts, *, overwrite: bool = False) -> RouterFa
     return facts
 
 
+_DEEPSEEK_V3_NATIVE = (
+    NativeValue("scoring_func", ("sigmoid",), "scores every expert with a sigmoid"),
+    NativeValue("topk_method", ("noaux_tc",), "selects with the expert-correction bias and group-limited top-k"),
+)
 for _facts in (
     RouterFacts(
         "deepseek_v3",
@@ -89,6 +107,7 @@ for _facts in (
         normalize_eps=1e-20,
         scaling_attr="routed_scaling_factor",
         topk_sorted=False,
+        native_values=_DEEPSEEK_V3_NATIVE,
     ),
     RouterFacts(
         "deepseek_v2",
@@ -99,6 +118,11 @@ for _facts in (
         normalize=False,  # DeepSeek-V2 never renormalises its top-k weights
         scaling_attr="routed_scaling_factor",
         topk_sorted=False,
+        native_values=(
+            NativeValue("scoring_func", ("softmax",), "scores every expert with a softmax"),
+            NativeValue("norm_topk_prob", (False,), "never renormalises the top-k weights"),
+            NativeValue("topk_method", ("greedy", "group_limited_greedy"), "implements these two only"),
+        ),
     ),
     RouterFacts("qwen3_moe", "Qwen3MoeTopKRouter", "softmax", weights_in_logits_dtype=True),
     RouterFacts("qwen2_moe", "Qwen2MoeTopKRouter", "softmax", weights_in_logits_dtype=True),
@@ -133,6 +157,19 @@ register_adapter(dataclasses.replace(ADAPTERS["deepseek_v3"], model_type="kimi_k
 
 class UnsupportedModelError(RpbError):
     """No adapter fits the model (unknown model_type, or routers that do not match their facts)."""
+
+
+def unimplemented_routing(config, facts: RouterFacts) -> list[str]:
+    """The routing keys of ``config`` whose value the native class does not implement, each named with what
+    the class does instead (empty: the class routes as the config says)."""
+    out = []
+    for native in facts.native_values:
+        value = getattr(config, native.key, None)
+        if value is not None and value not in native.implemented:
+            allowed = " or ".join(repr(v) for v in native.implemented)
+            out.append(f"{native.key}={value!r}: transformers' {facts.model_type} class ignores it and "
+                       f"{native.behaviour} ({allowed})")  # fmt: skip
+    return out
 
 
 def get_adapter(model_type: str) -> RouterFacts:
