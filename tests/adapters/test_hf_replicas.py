@@ -1,0 +1,127 @@
+"""Real checkpoints' configs, as they ship: tiny replicas of each (``tests/real_configs.py``) keep every routing
+value of the vendored ``config.json``, and go end to end through rpb -- collect, the anchor's selection
+against the family's hand-written rule, calibrate, train (``rpb`` and ``kl-to-base``, 2 steps) and
+retention."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from rpb.anchors import AnchorConfig, install_anchor
+from rpb.artifact import load_artifact
+from rpb.calibrate import calibrate
+from rpb.collect import collect
+from rpb.config import load_config
+from rpb.data import AnchorCollator, load_labelled
+from rpb.models import load_causal_lm, load_tokenizer
+from rpb.retention.run import run_retention
+from rpb.testing.data import conversations, write_jsonl
+from rpb.train import run_training
+from tests.hand_routing import token_bias
+from tests.real_configs import REPLICAS, ROUTING_KEYS, build_replica, published, source
+from tests.test_routing import reference_route
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="session")
+def replica(tmp_path_factory, moon_tok):
+    """replica(name) -> a saved tiny replica of the checkpoint, built once per test run."""
+    cache = {}
+
+    def make(name):
+        if name not in cache:
+            out = tmp_path_factory.mktemp(f"replica-{name}")
+            build_replica(name, vocab_size=len(moon_tok)).save_pretrained(out)
+            moon_tok.save_pretrained(out)
+            cache[name] = out
+        return cache[name]
+
+    return make
+
+
+@pytest.mark.parametrize("name", REPLICAS)
+def test_each_replica_keeps_the_published_routing_values(name, replica):
+    from transformers import AutoConfig
+
+    from rpb.adapters.aliases import register_model_aliases
+
+    register_model_aliases()
+    real = published(name)
+    # read back as the class reads it (transformers 5 renames some keys: Qwen3-MoE's num_experts, say)
+    built = AutoConfig.from_pretrained(str(replica(name)))
+    where = source(name)
+    assert re.fullmatch(r"[0-9a-f]{40}", where["commit"]) and where["repository"].count("/") == 1 and where["path"]
+    kept = [k for k in ROUTING_KEYS if k in real]
+    assert {"model_type", "num_experts_per_tok"} <= set(kept)
+    assert {k: getattr(built, k) for k in kept} == {k: real[k] for k in kept}
+    moe = built.num_hidden_layers - int(real.get("first_k_dense_replace") or 0)
+    assert moe == 2 and built.hidden_size < real["hidden_size"]
+
+
+def routers_of(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith(("TopkRouter", "TopKRouter"))]
+
+
+def check_selection_against_the_hand_rule(model_dir, data, prior) -> int:
+    """One anchored training forward (beta 1): every content token's experts are the family's hand-written
+    selection on logits + eq. 3's bias; returns the number of tokens whose choice the bias changed."""
+    model = load_causal_lm(str(model_dir)).train()
+    rows = load_labelled(str(data), load_tokenizer(str(model_dir)), 192).examples[:4]
+    batch = AnchorCollator(pad_id=0)([{"input_ids": e.input_ids, "labels": e.input_ids, "span_ids": e.span_ids,
+                                        "sample_index": e.index} for e in rows])  # fmt: skip
+    pi = load_artifact(prior).prior_qa
+    handle = install_anchor(model, AnchorConfig(method="rpb", beta=1.0), prior=pi)
+    seen = []
+    routers = routers_of(model)
+    hooks = [r.register_forward_hook(lambda m, a, out: seen.append((out[0].detach(), out[2]))) for r in routers]
+    with handle.step(batch["rpb_sample_index"], batch["rpb_span"], batch["attention_mask"]), torch.no_grad():
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    for h in hooks:
+        h.remove()
+    handle.remove()
+    sample_T, span_T = batch["rpb_sample_index"].reshape(-1), batch["rpb_span"].reshape(-1)
+    content_T = (span_T >= 0) & (sample_T >= 0)
+    changed = 0
+    for layer, (router, (logits_TE, ids_TK)) in enumerate(zip(routers, seen, strict=True)):
+        # content tokens only: padding embeds to zero, where every expert ties
+        z_CE = logits_TE[content_T]
+        expected_CK, _ = reference_route(router, z_CE, token_bias(pi, layer, sample_T, span_T, 1.0)[content_T])
+        native_CK, _ = reference_route(router, z_CE, torch.zeros_like(z_CE))
+        got = ids_TK[content_T].sort(-1).values
+        assert torch.equal(got, expected_CK.sort(-1).values), f"layer {layer}"
+        changed += int((got != native_CK.sort(-1).values).any(-1).sum())
+    return changed
+
+
+@pytest.mark.parametrize("name", REPLICAS)
+def test_every_family_end_to_end(name, replica, tmp_path):
+    model_dir = replica(name)
+    data = write_jsonl(conversations(8, seed=3), tmp_path / "train.jsonl")
+    prior = tmp_path / "prior.safetensors"
+    top_k = published(name)["num_experts_per_tok"]
+    art = collect(str(model_dir), data, prior, top_k=top_k, max_seq_len=192, progress=False)
+    assert art.prior_qa.shape[2] == 2 and art.metadata["top_k"] == top_k
+
+    assert check_selection_against_the_hand_rule(model_dir, data, prior) > 0
+
+    report = calibrate(str(model_dir), prior, data, betas=[1.0], rows=4, progress=False)
+    assert 0.0 < report["displacement_counterfactual"]["mean"]["1"]["both"] <= 1.0
+
+    outs = {}
+    for method in ("rpb", "kl-to-base"):
+        cfg = load_config(None, [f"model={model_dir}", f"data_jsonl={data}", f"prior={prior}",
+                                 f"output_dir={tmp_path / method}", f"anchor.method={method}", "anchor.lambda=0.1",
+                                 "train.max_steps=2", "train.batch_size=4", "train.calibrate_rows=0",
+                                 "train.log_every=1"])  # fmt: skip
+        outs[method] = run_training(cfg, progress=False)
+        logs = [json.loads(x) for x in (outs[method] / "log.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in logs if "loss" in r] == [1, 2]
+
+    run_retention(str(model_dir), data, tmp_path / "retention", post=str(outs["rpb"]), max_rows=8, progress=False)
+    retained = json.loads((tmp_path / "retention" / "report.json").read_text())
+    assert retained["moe_layers"] == art.metadata["moe_layers"]
