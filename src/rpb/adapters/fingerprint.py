@@ -34,7 +34,8 @@ def fingerprint(tensors_by_layer: list[list[torch.Tensor]]) -> str:
 
 
 def _router_tensors(layer: MoELayer, facts: RouterFacts) -> list[torch.Tensor]:
-    return [getattr(layer.router, name) for name in _router_tensor_names(facts)]
+    owners = {facts.expert_bias: layer.block} if facts.expert_bias_on_block else {}
+    return [getattr(owners.get(name) or layer.router, name) for name in _router_tensor_names(facts)]
 
 
 def _router_tensor_names(facts: RouterFacts) -> list[str]:
@@ -107,6 +108,8 @@ def checkpoint_routers_sha256(model_dir: str | Path, adapter: str | None = None)
     wanted = _router_tensor_names(facts)
     for name, path in _tensor_files(model_dir).items():
         module, _, param = rename(name).rpartition(".")
+        if facts.expert_bias_on_block and param == facts.expert_bias:
+            module = f"{module}.{facts.router_module.rpartition('.')[2]}"  # the block's bias: its router's layer
         match = pattern.search(module)
         if match is not None and param in wanted:
             found.setdefault(int(match.group(1)), {})[param] = (name, path)

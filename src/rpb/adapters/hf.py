@@ -51,6 +51,8 @@ class RouterFacts:
     expert_bias: str | None = None
     #: the router's own bias parameter, inside its logits (gpt-oss): fingerprinted, and part of the base router
     router_bias: str | None = None
+    #: the expert bias is the MoE block's (the router's parent), handed to the router's forward (MiniMax-M2)
+    expert_bias_on_block: bool = False
     #: group-limited top-k: None, "top2-sum" (DeepSeek-V3: groups ranked by the sum of their two
     #: best biased scores, losers masked to -inf) or "max" (DeepSeek-V2: by their best score,
     #: losers masked to 0)
@@ -139,6 +141,17 @@ for _facts in (
         scaling_attr="routed_scaling_factor",
         topk_sorted=False,
     ),
+    # MiniMax-M2: sigmoid, the expert-correction bias kept on the MoE block, always renormalised, no groups
+    RouterFacts(
+        "minimax_m2",
+        "MiniMaxM2TopKRouter",
+        "sigmoid",
+        expert_bias="e_score_correction_bias",
+        expert_bias_on_block=True,
+        normalize=True,
+        topk_sorted=False,
+        top_k_attr="top_k",
+    ),
     # gpt-oss: top-k of the logits (its router has a bias, inside the logits), softmax over the chosen
     RouterFacts(
         "gpt_oss",
@@ -196,6 +209,8 @@ class MoELayer:
     name: str
     router: nn.Module
     wrapper: nn.Module | None = None
+    #: the MoE block around the router, where a family keeps its expert bias there (MiniMax-M2)
+    block: nn.Module | None = None
 
     @property
     def trainable(self) -> bool:
@@ -240,7 +255,8 @@ def find_moe_layers(model: nn.Module, facts: RouterFacts) -> list[MoELayer]:
                 f"module {name!r} is a {type(module).__name__}, but the {facts.model_type!r} adapter expects "
                 f"{facts.router_class}; the model does not route like {facts.model_type}"
             )
-        found.append(MoELayer(int(match.group(1)), name, module, None if module is outer else outer))
+        block = model.get_submodule(name.rpartition(".")[0]) if facts.expert_bias_on_block else None
+        found.append(MoELayer(int(match.group(1)), name, module, None if module is outer else outer, block))
     if not found:
         raise UnsupportedModelError(
             f"no router matching {facts.router_path!r} ({facts.router_class}) in the "
@@ -248,6 +264,13 @@ def find_moe_layers(model: nn.Module, facts: RouterFacts) -> list[MoELayer]:
         )
     found.sort(key=lambda m: m.layer_index)
     return found
+
+
+def expert_bias_of(layer: MoELayer, facts: RouterFacts) -> torch.Tensor | None:
+    """The expert-correction bias that enters this layer's selection (None: the family has none)."""
+    if facts.expert_bias is None:
+        return None
+    return getattr(layer.block if facts.expert_bias_on_block else layer.router, facts.expert_bias)
 
 
 def router_spec(router: nn.Module, facts: RouterFacts) -> RouterSpec:

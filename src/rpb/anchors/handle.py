@@ -34,6 +34,7 @@ from rpb.adapters import (
     router_output,
     router_spec,
 )
+from rpb.adapters.hf import expert_bias_of
 from rpb.anchors.config import AnchorConfig
 from rpb.anchors.context import TokenContext
 from rpb.anchors.methods import Method, RouterState, get_method
@@ -269,7 +270,7 @@ def install_anchor(
         )
     layers = []
     for m in moe_layers:
-        bias = getattr(m.router, facts.expert_bias) if facts.expert_bias else None
+        bias = expert_bias_of(m, facts)
         base = m.router.weight.detach().float().clone() if method.needs_base_router else None
         base_bias = None
         if method.needs_base_router and facts.router_bias is not None:

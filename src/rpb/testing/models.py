@@ -17,6 +17,8 @@ _COMMON = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, 
 _MLA = {"kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8}
 
 #: name -> (model_type, config overrides). "moonlight" is the Moonlight-16B-A3B shape, scaled down.
+#: MiniMax-M2 is not here: its router's forward takes the block's bias as an argument, so the
+#: family-parametrized tests that call routers alone do not fit it (tests/adapters/test_hf_minimax.py).
 ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "moonlight": (
         "deepseek_v3",
@@ -171,6 +173,9 @@ def randomize_routers(model: torch.nn.Module, seed: int, scale: float = 1.0) -> 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, module in model.named_modules():
+            block_bias = getattr(module, "e_score_correction_bias", None)
+            if name.endswith(".mlp") and isinstance(block_bias, torch.Tensor):  # MiniMax-M2 keeps it on the block
+                block_bias.copy_(torch.randn(block_bias.shape, generator=gen) * 0.1)
             if not name.endswith(("mlp.gate", "mlp.router")) or not hasattr(module, "weight"):
                 continue
             module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * scale / module.weight.shape[1] ** 0.5)
