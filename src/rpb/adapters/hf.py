@@ -150,7 +150,6 @@ for _facts in (
         expert_bias_on_block=True,
         normalize=True,
         topk_sorted=False,
-        top_k_attr="top_k",
     ),
     # gpt-oss: top-k of the logits (its router has a bias, inside the logits), softmax over the chosen
     RouterFacts(
@@ -164,7 +163,8 @@ for _facts in (
     ),
 ):
     register_adapter(_facts)
-# Kimi-K2 is DeepSeek-V3-shaped and declares its own model_type (rpb.models maps it to DeepSeek-V3's classes)
+# Kimi-K2 is DeepSeek-V3-shaped and declares its own model_type (rpb.adapters.aliases maps it to DeepSeek-V3's
+# classes for transformers)
 register_adapter(dataclasses.replace(ADAPTERS["deepseek_v3"], model_type="kimi_k2"))
 
 
