@@ -51,6 +51,20 @@ def write_rows(path: Path, rows: list) -> Path:
     return path
 
 
+def with_tensors_changed(model_dir: Path, out: Path, change) -> Path:
+    """A copy of a single-file checkpoint whose tensors ``change(tensors)`` edited in place (other files copied)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    change(tensors)
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def qa(question: str, answer: str) -> dict:
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
 

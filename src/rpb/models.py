@@ -133,7 +133,9 @@ def load_causal_lm(model_id: str, dtype: str = "float32") -> torch.nn.Module:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _check_loadable(model_id, config, ADAPTERS.get(config.model_type), device)
     with _loading(f"model {model_id!r}"):
-        return AutoModelForCausalLM.from_pretrained(model_id, dtype=torch_dtype(dtype), trust_remote_code=False)
+        return AutoModelForCausalLM.from_pretrained(
+            model_id, config=config, dtype=torch_dtype(dtype), trust_remote_code=False
+        )
 
 
 def load_tokenizer(tokenizer_id: str, trust_remote_code: bool = False):

@@ -22,6 +22,7 @@ from rpb.adapters import (
 )
 from rpb.models import load_base_model
 from rpb.testing.models import ARCHITECTURES
+from tests.conftest import with_tensors_changed
 
 
 def loaded_fingerprint(model_dir, dtype="float32") -> str:
@@ -116,15 +117,11 @@ def test_the_fingerprint_is_of_bfloat16_bytes():
 def test_gpt_oss_router_bias_is_part_of_the_fingerprint(save_tiny, tmp_path):
     """gpt-oss's router bias sits inside its logits: a prior read off another bias is another base."""
     model_dir = save_tiny("gpt_oss")
-    tensors = load_file(model_dir / "model.safetensors")
     key = "model.layers.1.mlp.router.bias"
-    assert key in tensors
-    tensors[key] = tensors[key] + 0.5
-    other = tmp_path / "other"
-    other.mkdir()
-    for f in model_dir.iterdir():
-        if f.name != "model.safetensors":
-            (other / f.name).write_bytes(f.read_bytes())
-    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+
+    def nudge(tensors):
+        tensors[key] += 0.5
+
+    other = with_tensors_changed(model_dir, tmp_path / "other", nudge)
     assert checkpoint_routers_sha256(other).routers_sha256 != checkpoint_routers_sha256(model_dir).routers_sha256
     assert loaded_fingerprint(other) == checkpoint_routers_sha256(other).routers_sha256

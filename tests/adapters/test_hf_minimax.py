@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rpb.adapters import checkpoint_routers_sha256, find_moe_layers, get_adapter, routers_sha256
@@ -14,7 +13,7 @@ from rpb.anchors import AnchorConfig, install_anchor
 from rpb.collect import collect
 from rpb.testing.models import randomize_routers
 from tests.collect.test_collector_parity import CONVERSATIONS, expected_prior
-from tests.conftest import write_rows
+from tests.conftest import with_tensors_changed, write_rows
 from tests.hand_routing import hand_bias
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -85,17 +84,13 @@ def test_the_fingerprint_reads_the_blocks_bias(saved, tmp_path):
     facts = get_adapter("minimax_m2")
     found = checkpoint_routers_sha256(saved)
     assert found.routers_sha256 == routers_sha256(find_moe_layers(model, facts), facts)
-    tensors = load_file(saved / "model.safetensors")
     # saved under MiniMax-M2's own names (the block is `block_sparse_moe` there; transformers renames it on load)
     key = "model.layers.1.block_sparse_moe.e_score_correction_bias"
-    assert key in tensors
-    tensors[key] = tensors[key] + 0.25
-    other = tmp_path / "other"
-    other.mkdir()
-    for f in saved.iterdir():
-        if f.name != "model.safetensors":
-            (other / f.name).write_bytes(f.read_bytes())
-    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+
+    def nudge(tensors):
+        tensors[key] += 0.25
+
+    other = with_tensors_changed(saved, tmp_path / "other", nudge)
     assert checkpoint_routers_sha256(other).routers_sha256 != found.routers_sha256
 
 

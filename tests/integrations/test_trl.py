@@ -141,6 +141,18 @@ def check_against_hand(arch, trainer, seen, prior_path, beta):
             assert chosen == hand_select(z_TE, bias_TE, k, expert_bias), f"{arch} layer {layer}"
 
 
+def plain_trl(model_dir, rows, out, evaluate: bool = False) -> trl.SFTTrainer:
+    """TRL's own SFTTrainer, nothing of rpb, on the same pre-tokenized input_ids / labels (as eval_dataset too)."""
+    examples = ExampleDataset(rows.examples, "answer")
+    pretokenized = datasets.Dataset.from_dict({
+        "input_ids": [e["input_ids"] for e in examples], "labels": [e["labels"] for e in examples],
+    })  # fmt: skip
+    args = trl.SFTConfig(**config(out), router_aux_loss_coef=0.0, dataset_kwargs={"skip_prepare_dataset": True})
+    return trl.SFTTrainer(AutoModelForCausalLM.from_pretrained(model_dir), args, train_dataset=pretokenized,
+                          eval_dataset=pretokenized if evaluate else None,
+                          processing_class=load_tokenizer(str(model_dir)))  # fmt: skip
+
+
 # ---- beta 0 is TRL's own SFTTrainer, bit for bit ---------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 def test_beta_zero_is_plain_sft_trainer_bit_for_bit(setup, arch, tmp_path):
@@ -148,16 +160,7 @@ def test_beta_zero_is_plain_sft_trainer_bit_for_bit(setup, arch, tmp_path):
     mine = train_recording(trainer)
     handle.remove()
 
-    model_dir = setup[arch][0]
-    plain_model = AutoModelForCausalLM.from_pretrained(model_dir)
-    examples = ExampleDataset(rows.examples, "answer")
-    pretokenized = datasets.Dataset.from_dict({
-        "input_ids": [e["input_ids"] for e in examples], "labels": [e["labels"] for e in examples],
-    })  # fmt: skip
-    args = trl.SFTConfig(**config(tmp_path / "plain"), router_aux_loss_coef=0.0,
-                         dataset_kwargs={"skip_prepare_dataset": True})  # fmt: skip
-    tok = load_tokenizer(str(model_dir))
-    plain = trl.SFTTrainer(plain_model, args, train_dataset=pretokenized, processing_class=tok)
+    plain = plain_trl(setup[arch][0], rows, tmp_path / "plain")
     theirs = train_recording(plain)
 
     assert len(mine) == STEPS and mine == theirs
@@ -388,15 +391,7 @@ def check_trl_eval_untouched(setup, tmp_path) -> None:
     mine = SFTTrainer(model, SFTConfig(**config(tmp_path / "rpb")), rows, anchor=handle, processing_class=tok,
                       eval_dataset=rows).evaluate()["eval_loss"]  # fmt: skip
     handle.remove()
-    examples = ExampleDataset(rows.examples, "answer")
-    pretokenized = datasets.Dataset.from_dict({
-        "input_ids": [e["input_ids"] for e in examples], "labels": [e["labels"] for e in examples],
-    })  # fmt: skip
-    args = trl.SFTConfig(**config(tmp_path / "plain"), router_aux_loss_coef=0.0,
-                         dataset_kwargs={"skip_prepare_dataset": True})  # fmt: skip
-    plain = trl.SFTTrainer(AutoModelForCausalLM.from_pretrained(model_dir), args, train_dataset=pretokenized,
-                           eval_dataset=pretokenized, processing_class=tok)  # fmt: skip
-    theirs = plain.evaluate()["eval_loss"]
+    theirs = plain_trl(model_dir, rows, tmp_path / "plain", evaluate=True).evaluate()["eval_loss"]
     assert mine == pytest.approx(theirs, abs=1e-6), f"eval_loss {mine} against plain TRL's {theirs}"
 
 

@@ -130,17 +130,6 @@ for _facts in (
     RouterFacts("qwen2_moe", "Qwen2MoeTopKRouter", "softmax", weights_in_logits_dtype=True),
     RouterFacts("olmoe", "OlmoeTopKRouter", "softmax", weights_in_logits_dtype=True),
     RouterFacts("mixtral", "MixtralTopKRouter", "softmax", normalize=True),
-    # GLM-4.5 routes as DeepSeek-V3 does: sigmoid, expert-correction bias, groups by their two best
-    RouterFacts(
-        "glm4_moe",
-        "Glm4MoeTopkRouter",
-        "sigmoid",
-        expert_bias="e_score_correction_bias",
-        group_scoring="top2-sum",
-        normalize_eps=1e-20,
-        scaling_attr="routed_scaling_factor",
-        topk_sorted=False,
-    ),
     # MiniMax-M2: sigmoid, the expert-correction bias kept on the MoE block, always renormalised, no groups
     RouterFacts(
         "minimax_m2",
@@ -163,6 +152,13 @@ for _facts in (
     ),
 ):
     register_adapter(_facts)
+# GLM-4.5 routes as DeepSeek-V3 does (sigmoid, expert-correction bias, groups by their two best) in a class of
+# its own, whose config has no scoring_func / topk_method to check
+register_adapter(
+    dataclasses.replace(
+        ADAPTERS["deepseek_v3"], model_type="glm4_moe", router_class="Glm4MoeTopkRouter", native_values=()
+    )
+)
 # Kimi-K2 is DeepSeek-V3-shaped and declares its own model_type (rpb.adapters.aliases maps it to DeepSeek-V3's
 # classes for transformers)
 register_adapter(dataclasses.replace(ADAPTERS["deepseek_v3"], model_type="kimi_k2"))

@@ -70,13 +70,12 @@ class Recorder:
 def fields_rpb_sets(monkeypatch) -> dict[str, list[str]]:
     """What ``build_container`` assigns, recorded on a stand-in recipe: the run's own fields, and the run
     contract's (which a line without the field skips)."""
-    import sys as _sys
     import types
 
     log: list[str] = []
     module = types.ModuleType("megatron.bridge.recipes.moonlight")
     module.moonlight_16b_sft_config = lambda: Recorder(log)
-    monkeypatch.setitem(_sys.modules, "megatron.bridge.recipes.moonlight", module)
+    monkeypatch.setitem(sys.modules, "megatron.bridge.recipes.moonlight", module)
     bridge.build_container(load_megatron_config(None, ["model.pretrained_checkpoint=/c", "data.root=/d",
                                                        "train.output_dir=/o", "prior=/p"]))  # fmt: skip
     fields = sorted(set(log))
