@@ -85,3 +85,27 @@ def save_tiny(tmp_path_factory, moon_tok):
         return cache[key]
 
     return make
+
+
+#: transformers loads these model types' tokenizer with its own class (Qwen3.5's byte-level BPE), whatever the
+#: folder says: their replicas get a byte-level BPE tokenizer, which that class reads as it is
+BYTE_LEVEL_TOKENIZER = {"qwen3_5_moe"}
+
+
+@pytest.fixture(scope="session")
+def replica(tmp_path_factory, moon_tok, chatml_tok):
+    """replica(name) -> a saved tiny replica of a real checkpoint (tests/real_configs.py), built once per test run."""
+    from tests.real_configs import build_replica
+
+    cache = {}
+
+    def make(name):
+        if name not in cache:
+            out = tmp_path_factory.mktemp(f"replica-{name}")
+            tok = chatml_tok if name in BYTE_LEVEL_TOKENIZER else moon_tok
+            build_replica(name, vocab_size=len(tok)).save_pretrained(out)
+            tok.save_pretrained(out)
+            cache[name] = out
+        return cache[name]
+
+    return make

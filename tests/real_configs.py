@@ -3,7 +3,8 @@ vendored verbatim from public GitHub copies named in SOURCES.json).
 
 Every routing value stays as the checkpoint sets it: the score function and selection method, the
 expert-correction bias, groups, scaling, renormalisation, the number of routed and shared experts,
-top-k, the dense-first layout. Only widths shrink, and the number of MoE layers (to two). The
+top-k, the dense-first layout. Only widths shrink, and the number of MoE layers (to two, or to the first layer of
+each kind: Qwen3.5's fourth is its first full-attention one). The
 quantization config goes (the replica's weights are random float32); ``ROUTING_KEYS`` lists what a
 test compares with the vendored file.
 """
@@ -15,8 +16,8 @@ from pathlib import Path
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 
-#: the checkpoints replicated, by fixture file (a Qwen3.5-MoE config is vendored too; rpb does not support it yet)
-REPLICAS = ("deepseek_v3", "kimi_k2", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b", "gpt_oss_20b")
+#: the checkpoints replicated, by fixture file
+REPLICAS = ("deepseek_v3", "kimi_k2", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b", "gpt_oss_20b", "qwen3_5_moe")
 
 ROUTING_KEYS = (
     "model_type", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
@@ -29,7 +30,11 @@ SHRUNK = {
     "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 8, "num_attention_heads": 4,
     "num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8, "v_head_dim": 8, "sliding_window": 16, "max_position_embeddings": 4096,
+    "shared_expert_intermediate_size": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4,
 }  # fmt: skip
+#: a multimodal checkpoint's vision tower (Qwen3.5-MoE), small; its output width is the text model's
+VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32}
 DROPPED = ("quantization_config", "auto_map", "torch_dtype", "dtype", "architectures", "transformers_version")
 
 
@@ -37,26 +42,50 @@ def published(name: str) -> dict:
     return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
+def routing_part(config: dict) -> dict:
+    """Where a config keeps its routing keys: a multimodal checkpoint's in its ``text_config``."""
+    return config.get("text_config", config)
+
+
 def source(name: str) -> dict:
     return json.loads((FIXTURES / "SOURCES.json").read_text())[f"{name}.json"]
 
 
-def replica_config(name: str, vocab_size: int) -> dict:
-    """The published config with widths shrunk and two MoE layers after its dense-first ones."""
-    real = published(name)
+def _shrunk_text(real: dict, vocab_size: int) -> dict:
     out = {k: v for k, v in real.items() if k not in DROPPED}
     out |= {k: v for k, v in SHRUNK.items() if k in real or k in ("hidden_size", "num_attention_heads")}
-    dense = int(real.get("first_k_dense_replace") or 0)
-    out["num_hidden_layers"] = dense + 2
-    if "layer_types" in real:
-        out["layer_types"] = real["layer_types"][: out["num_hidden_layers"]]
-    out |= {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}
+    layers = int(real.get("first_k_dense_replace") or 0) + 2
+    if "layer_types" in real:  # every kind of layer the checkpoint has (Qwen3.5's full attention is every 4th)
+        layers = max(layers, *(real["layer_types"].index(kind) + 1 for kind in set(real["layer_types"])))
+        out["layer_types"] = real["layer_types"][:layers]
+    out["num_hidden_layers"] = layers
+    return out | {"vocab_size": vocab_size, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None}
+
+
+def replica_config(name: str, vocab_size: int) -> dict:
+    """The published config with widths shrunk and two MoE layers after its dense-first ones, or as many as
+    it takes to hold one layer of each of its kinds (a multimodal
+    checkpoint keeps its shape: its text model shrunk so, its vision tower to one small block)."""
+    real = published(name)
+    if "text_config" not in real:
+        return _shrunk_text(real, vocab_size)
+    out = {k: v for k, v in real.items() if k not in DROPPED}
+    out["text_config"] = _shrunk_text(real["text_config"], vocab_size)
+    out["vision_config"] = real["vision_config"] | VISION
     return out
 
 
+def moe_layer_count(name: str) -> int:
+    """How many MoE layers the replica has (every layer after the dense-first ones)."""
+    text = routing_part(replica_config(name, vocab_size=8))
+    return text["num_hidden_layers"] - int(text.get("first_k_dense_replace") or 0)
+
+
 def build_replica(name: str, vocab_size: int, seed: int = 0):
+    """The replica as its checkpoint's own class builds it: a multimodal one (Qwen3.5-MoE) whole, saved with
+    the layout and names of the shipped checkpoint, which rpb then loads as a causal LM."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from rpb.adapters.aliases import register_model_aliases
     from rpb.testing.models import randomize_routers
@@ -64,6 +93,7 @@ def build_replica(name: str, vocab_size: int, seed: int = 0):
     register_model_aliases()
     cfg = replica_config(name, vocab_size)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg), dtype=torch.float32)
+    auto = AutoModelForImageTextToText if "text_config" in cfg else AutoModelForCausalLM
+    model = auto.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg), dtype=torch.float32)
     randomize_routers(model, seed + 1, scale=4.0)
     return model.eval()

@@ -155,6 +155,8 @@ REFERENCES = {
     # GLM-4.5: DeepSeek-V3's rule, written in its own modeling file the same way
     "Glm4MoeTopkRouter": (_select_deepseek_v3, _gates_deepseek_v3),
     "GptOssTopKRouter": (_select_logits_topk, _gates_softmax_of_chosen),
+    # Qwen3.5-MoE always renormalises too (its router has no norm_topk_prob)
+    "Qwen3_5MoeTopKRouter": (_select_softmax_topk, lambda r, z, ids: _gates_softmax(z, ids, True)),
 }
 
 

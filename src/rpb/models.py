@@ -114,10 +114,11 @@ def load_base_model(
     facts = get_adapter(adapter or config.model_type)  # fail on unsupported families before loading weights
     _check_loadable(model_id, config, facts, resolve_device(device))
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the LM head is left out on purpose; do not report it
+    hf_logging.set_verbosity_error()  # the LM head (and a multimodal checkpoint's vision tower) is left out on purpose
     try:
         with _loading(f"model {model_id!r}"):
-            model = AutoModel.from_pretrained(model_id, config=config, dtype=dt, trust_remote_code=False)
+            # a multimodal checkpoint (Qwen3.5-MoE): its text model alone, which the routers belong to
+            model = AutoModel.from_pretrained(model_id, config=config.get_text_config(), dtype=dt, trust_remote_code=False)
     finally:
         hf_logging.set_verbosity(verbosity)
     return model.to(resolve_device(device)).eval(), facts

@@ -133,5 +133,5 @@ def checkpoint_routers_sha256(model_dir: str | Path, adapter: str | None = None)
         routers_sha256=fingerprint(tensors_by_layer),
         moe_layers=sorted(found),
         num_experts=int(tensors_by_layer[0][0].shape[0]),
-        top_k=int(getattr(config, facts.top_k_config)),
+        top_k=int(getattr(config.get_text_config(), facts.top_k_config)),  # a multimodal one: its text model's
     )

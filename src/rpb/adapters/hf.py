@@ -159,6 +159,19 @@ register_adapter(
         ADAPTERS["deepseek_v3"], model_type="glm4_moe", router_class="Glm4MoeTopkRouter", native_values=()
     )
 )
+# Qwen3.5-MoE: softmax, the top-k always renormalised (its router has no norm_topk_prob). The shipped checkpoints
+# are multimodal (model_type qwen3_5_moe); AutoModelForCausalLM loads their text model (qwen3_5_moe_text)
+register_adapter(
+    RouterFacts(
+        "qwen3_5_moe_text",
+        "Qwen3_5MoeTopKRouter",
+        "softmax",
+        normalize=True,
+        weights_in_logits_dtype=True,
+        native_values=(NativeValue("norm_topk_prob", (True,), "always renormalises the top-k weights"),),
+    )
+)
+register_adapter(dataclasses.replace(ADAPTERS["qwen3_5_moe_text"], model_type="qwen3_5_moe"))
 # Kimi-K2 is DeepSeek-V3-shaped and declares its own model_type (rpb.adapters.aliases maps it to DeepSeek-V3's
 # classes for transformers)
 register_adapter(dataclasses.replace(ADAPTERS["deepseek_v3"], model_type="kimi_k2"))
@@ -172,8 +185,9 @@ def unimplemented_routing(config, facts: RouterFacts) -> list[str]:
     """The routing keys of ``config`` whose value the native class does not implement, each named with what
     the class does instead (empty: the class routes as the config says)."""
     out = []
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal: its text model's
     for native in facts.native_values:
-        value = getattr(config, native.key, None)
+        value = getattr(text, native.key, None)
         if value is not None and value not in native.implemented:
             allowed = " or ".join(repr(v) for v in native.implemented)
             out.append(f"{native.key}={value!r}: transformers' {facts.model_type} class ignores it and "
