@@ -118,7 +118,9 @@ def load_base_model(
     try:
         with _loading(f"model {model_id!r}"):
             # a multimodal checkpoint (Qwen3.5-MoE): its text model alone, which the routers belong to
-            model = AutoModel.from_pretrained(model_id, config=config.get_text_config(), dtype=dt, trust_remote_code=False)
+            model = AutoModel.from_pretrained(
+                model_id, config=config.get_text_config(), dtype=dt, trust_remote_code=False
+            )
     finally:
         hf_logging.set_verbosity(verbosity)
     return model.to(resolve_device(device)).eval(), facts
