@@ -17,12 +17,13 @@ from pathlib import Path
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 
 #: the checkpoints replicated, by fixture file
-REPLICAS = ("deepseek_v3", "kimi_k2", "deepseek_v2_lite", "qwen3_30b_a3b", "mixtral_8x7b", "gpt_oss_20b", "qwen3_5_moe")
+REPLICAS = ("deepseek_v3", "kimi_k2", "deepseek_v2_lite", "qwen3_30b_a3b", "qwen1_5_moe_a2_7b", "mixtral_8x7b",
+            "olmoe_1b_7b", "gpt_oss_20b", "glm4_5_air", "minimax_m2", "qwen3_5_moe")  # fmt: skip
 
 ROUTING_KEYS = (
     "model_type", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
     "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "n_shared_experts",
-    "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step", "mlp_only_layers", "ep_size",
+    "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step", "mlp_only_layers", "ep_size", "use_routing_bias",
 )  # fmt: skip
 
 #: widths of every family, small; the attention and MLA sizes too
@@ -31,7 +32,7 @@ SHRUNK = {
     "num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8, "v_head_dim": 8, "sliding_window": 16, "max_position_embeddings": 4096,
     "shared_expert_intermediate_size": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "rotary_dim": 4,
 }  # fmt: skip
 #: a multimodal checkpoint's vision tower (Qwen3.5-MoE), small; its output width is the text model's
 VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32}

@@ -96,12 +96,15 @@ def no_weights_read(monkeypatch):
         ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob=True: transformers' deepseek_v2 class ignores it and "
                                                    "never renormalises"),
         ("moonlight", {"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'"),
+        ("replica:minimax_m2", {"use_routing_bias": False},
+         "use_routing_bias=False: transformers' minimax_m2 class ignores it"),
     ],
 )  # fmt: skip
 def test_what_the_native_class_would_run_otherwise_is_refused_before_any_weight(
-    arch, changes, named, save_tiny, tmp_path, monkeypatch
+    arch, changes, named, save_tiny, replica, tmp_path, monkeypatch
 ):
-    edited = with_config(save_tiny(arch), tmp_path, **changes)
+    model_dir = replica(arch.removeprefix("replica:")) if arch.startswith("replica:") else save_tiny(arch)
+    edited = with_config(model_dir, tmp_path, **changes)
     no_weights_read(monkeypatch)
     for load in (lambda p: load_causal_lm(p), lambda p: load_base_model(p, device="cpu")):
         with pytest.raises(ModelLoadError, match="refused before loading its weights") as err:
@@ -110,7 +113,7 @@ def test_what_the_native_class_would_run_otherwise_is_refused_before_any_weight(
 
 
 def test_the_published_routing_values_are_the_implemented_ones():
-    """Moonlight / DeepSeek-V3 / Kimi-K2 / DeepSeek-V2-Lite as they ship (tests/fixtures/configs) pass."""
+    """Every vendored checkpoint's config as it ships (tests/fixtures/configs) passes."""
     import json
     from pathlib import Path
 
@@ -122,7 +125,9 @@ def test_the_published_routing_values_are_the_implemented_ones():
 
     register_model_aliases()
     fixtures = Path(__file__).parent / "fixtures" / "configs"
-    for name in ("deepseek_v3", "kimi_k2", "deepseek_v2_lite"):
+    from tests.real_configs import REPLICAS
+
+    for name in REPLICAS:
         published = json.loads((fixtures / f"{name}.json").read_text())
         published = {k: v for k, v in published.items() if k != "model_type"} | {"_type": published["model_type"]}
         config = AutoConfig.for_model(published.pop("_type"), **published)

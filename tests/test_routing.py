@@ -160,14 +160,37 @@ REFERENCES = {
 }
 
 
+def _select_minimax_m2(router, choice_logits_TE, block_bias_E):
+    """MiniMax-M2: the top-k of sigmoid scores plus the bias its MoE block hands the router; no groups."""
+    choice_TE = torch.sigmoid(choice_logits_TE.float()) + block_bias_E.float()
+    return torch.tensor([_top(choice, list(range(len(choice))), router.top_k) for choice in choice_TE.tolist()])
+
+
+def _gates_sigmoid_renormalised(router, logits_TE, ids_TK):
+    gates = []
+    for z, chosen in zip(logits_TE.double().tolist(), ids_TK.tolist(), strict=True):
+        g = [_sigmoid(z[e]) for e in chosen]  # the block's bias selects only
+        gates.append([v / sum(g) for v in g])
+    return torch.tensor(gates, dtype=torch.float64)
+
+
+#: routers whose expert-correction bias comes from their MoE block, as their forward's second argument
+BLOCK_BIAS_REFERENCES = {"MiniMaxM2TopKRouter": (_select_minimax_m2, _gates_sigmoid_renormalised)}
+
+
 def reference_gates(router, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
     """float64 gates of the family at the given experts, from the unbiased logits."""
     return REFERENCES[type(router).__name__][1](router, logits_TE, ids_TK)
 
 
-def reference_route(router, logits_TE: torch.Tensor, bias_TE: torch.Tensor):
+def reference_route(router, logits_TE: torch.Tensor, bias_TE: torch.Tensor, block_bias_E=None):
     """``(ids_TK ascending, gates_TK float64 aligned to them)``: the family's pipeline on ``logits + bias``
-    for the selection and on the unbiased logits for the gates."""
+    for the selection and on the unbiased logits for the gates (``block_bias_E``: what a MiniMax-M2 block
+    handed its router)."""
+    if type(router).__name__ in BLOCK_BIAS_REFERENCES:
+        select_ref, gates_ref = BLOCK_BIAS_REFERENCES[type(router).__name__]
+        ids_TK = select_ref(router, logits_TE + bias_TE, block_bias_E)
+        return ids_TK, gates_ref(router, logits_TE, ids_TK)
     ids_TK = REFERENCES[type(router).__name__][0](router, logits_TE + bias_TE)
     return ids_TK, reference_gates(router, logits_TE, ids_TK)
 

@@ -55,6 +55,28 @@ def test_each_replica_keeps_the_published_routing_values(name, replica):
     assert moe == moe_layer_count(name) >= 2 and built.hidden_size < real["hidden_size"]
 
 
+def test_each_vendored_config_is_the_published_file():
+    """The bytes of every vendored config.json are the Hugging Face file's: its sha256 as recorded at the named
+    revision (the copies that lack the HF file's final newline are named so)."""
+    import hashlib
+
+    from tests.real_configs import FIXTURES
+
+    sources = json.loads((FIXTURES / "SOURCES.json").read_text())
+    assert sorted(sources) == sorted(p.name for p in FIXTURES.glob("*.json") if p.name != "SOURCES.json")
+    assert {f"{name}.json" for name in REPLICAS} == set(sources)
+    for name, where in sources.items():
+        data = (FIXTURES / name).read_bytes()
+        hf = where.get("hf")
+        if hf is None:  # Kimi-K2: no record of the HF file's hash; its two GitHub copies agree (SOURCES.json)
+            assert name == "kimi_k2.json"
+            continue
+        if hf["bytes"] != "identical":
+            data += b"\n"
+        assert hashlib.sha256(data).hexdigest() == hf["sha256"], name
+        assert re.fullmatch(r"[0-9a-f]{40}", hf["revision"]) and where["checkpoint"] == hf["repository"]
+
+
 def routers_of(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith(("TopkRouter", "TopKRouter"))]
 
@@ -70,7 +92,8 @@ def check_selection_against_the_hand_rule(model_dir, data, prior) -> int:
     handle = install_anchor(model, AnchorConfig(method="rpb", beta=1.0), prior=pi)
     seen = []
     routers = routers_of(model)
-    hooks = [r.register_forward_hook(lambda m, a, out: seen.append((out[0].detach(), out[2]))) for r in routers]
+    # a MiniMax-M2 router's second argument is its block's expert-correction bias
+    hooks = [r.register_forward_hook(lambda m, a, out: seen.append((out[0].detach(), out[2], a[1:]))) for r in routers]
     with handle.step(batch["rpb_sample_index"], batch["rpb_span"], batch["attention_mask"]), torch.no_grad():
         model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     for h in hooks:
@@ -79,11 +102,13 @@ def check_selection_against_the_hand_rule(model_dir, data, prior) -> int:
     sample_T, span_T = batch["rpb_sample_index"].reshape(-1), batch["rpb_span"].reshape(-1)
     content_T = (span_T >= 0) & (sample_T >= 0)
     changed = 0
-    for layer, (router, (logits_TE, ids_TK)) in enumerate(zip(routers, seen, strict=True)):
+    for layer, (router, (logits_TE, ids_TK, extra)) in enumerate(zip(routers, seen, strict=True)):
         # content tokens only: padding embeds to zero, where every expert ties
         z_CE = logits_TE[content_T]
-        expected_CK, _ = reference_route(router, z_CE, token_bias(pi, layer, sample_T, span_T, 1.0)[content_T])
-        native_CK, _ = reference_route(router, z_CE, torch.zeros_like(z_CE))
+        block_bias = extra[0] if extra else None
+        bias_CE = token_bias(pi, layer, sample_T, span_T, 1.0)[content_T]
+        expected_CK, _ = reference_route(router, z_CE, bias_CE, block_bias)
+        native_CK, _ = reference_route(router, z_CE, torch.zeros_like(z_CE), block_bias)
         got = ids_TK[content_T].sort(-1).values
         assert torch.equal(got, expected_CK.sort(-1).values), f"layer {layer}"
         changed += int((got != native_CK.sort(-1).values).any(-1).sum())
@@ -93,7 +118,7 @@ def check_selection_against_the_hand_rule(model_dir, data, prior) -> int:
 @pytest.mark.parametrize("name", REPLICAS)
 def test_every_family_end_to_end(name, replica, tmp_path):
     model_dir = replica(name)
-    data = write_jsonl(conversations(8, seed=3), tmp_path / "train.jsonl")
+    data = write_jsonl(conversations(4, seed=3), tmp_path / "train.jsonl")
     prior = tmp_path / "prior.safetensors"
     top_k = routing_part(published(name))["num_experts_per_tok"]
     art = collect(str(model_dir), data, prior, top_k=top_k, max_seq_len=192, progress=False)
@@ -108,12 +133,12 @@ def test_every_family_end_to_end(name, replica, tmp_path):
     for method in ("rpb", "kl-to-base"):
         cfg = load_config(None, [f"model={model_dir}", f"data_jsonl={data}", f"prior={prior}",
                                  f"output_dir={tmp_path / method}", f"anchor.method={method}", "anchor.lambda=0.1",
-                                 "train.max_steps=2", "train.batch_size=4", "train.calibrate_rows=0",
+                                 "train.max_steps=2", "train.batch_size=2", "train.calibrate_rows=0",
                                  "train.log_every=1"])  # fmt: skip
         outs[method] = run_training(cfg, progress=False)
         logs = [json.loads(x) for x in (outs[method] / "log.jsonl").read_text().splitlines()]
         assert [r["step"] for r in logs if "loss" in r] == [1, 2]
 
-    run_retention(str(model_dir), data, tmp_path / "retention", post=str(outs["rpb"]), max_rows=8, progress=False)
+    run_retention(str(model_dir), data, tmp_path / "retention", post=str(outs["rpb"]), max_rows=4, progress=False)
     retained = json.loads((tmp_path / "retention" / "report.json").read_text())
     assert retained["moe_layers"] == art.metadata["moe_layers"]

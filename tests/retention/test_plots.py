@@ -107,6 +107,24 @@ def test_single_model_plots(tmp_path):
     _assert_picture(plot_layer_bars(report, tmp_path / "b.png"))
 
 
+def test_a_wide_layer_labels_its_largest_communities_only(tmp_path, monkeypatch):
+    """384 experts in 139 communities (129 isolated, as a short run leaves them): 40 labelled, the largest."""
+    import rpb.retention.plots as plots
+
+    sizes = {1000 + i: 30 - i for i in range(10)} | {i: 1 for i in range(129)}
+    labels_E = np.concatenate([np.full(n, c) for c, n in sizes.items()])
+    np.random.default_rng(0).shuffle(labels_E)
+    assert labels_E.shape == (384,)
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or Path(path))
+    plot_coactivation(np.ones((384, 384)), None, labels_E, 0, tmp_path / "c.png")
+    ax = figures[0].axes[0]
+    # ties among the isolated ones go to the first in community order (smallest label)
+    expected = [f"c{i}" for i in range(30)] + [f"c{1000 + i}" for i in range(10)]
+    assert [t.get_text() for t in ax.get_xticklabels()] == expected == [t.get_text() for t in ax.get_yticklabels()]
+    assert "139 base communities" in figures[0].get_suptitle()
+
+
 def test_community_order_sorts_by_label_then_id():
     assert community_order([1, 0, 1, 0, 2]).tolist() == [1, 3, 0, 2, 4]
     assert community_order(LABELS_E).tolist() == [0, 2, 4, 6, 8, 10, 1, 3, 5, 7, 9, 11]

@@ -139,6 +139,11 @@ for _facts in (
         expert_bias_on_block=True,
         normalize=True,
         topk_sorted=False,
+        native_values=(
+            NativeValue("scoring_func", ("sigmoid",), "scores every expert with a sigmoid"),
+            NativeValue("use_routing_bias", (True,), "always selects with the block's expert-correction bias"),
+            NativeValue("shared_intermediate_size", (0,), "builds no shared expert"),
+        ),
     ),
     # gpt-oss: top-k of the logits (its router has a bias, inside the logits), softmax over the chosen
     RouterFacts(
