@@ -33,7 +33,8 @@ from rpb.errors import RpbError
 from rpb.fileio import atomic_path
 
 SCHEMA = "rpb_prior"
-SCHEMA_VERSION = 1
+#: 2: the chat template's keyword arguments and pinned date, and the reasoning count, are recorded
+SCHEMA_VERSION = 2
 METADATA_KEY = "rpb"
 
 #: routed-position rule recorded in the metadata: every position of the right-truncated sequence
@@ -49,6 +50,9 @@ REQUIRED_METADATA: dict[str, type | tuple[type, ...]] = {
     "routers_sha256": str,
     "tokenizer": str,
     "chat_template_sha256": str,
+    "chat_template_kwargs": dict,
+    "chat_template_date": (str, type(None)),
+    "reasoning": dict,
     "router_transform": str,
     "top_k": int,
     "max_seq_len": int,

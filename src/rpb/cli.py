@@ -18,6 +18,25 @@ from rpb.models import DTYPES
 from rpb.prior import ROUTER_TRANSFORMS
 
 
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _template_kwargs_option(parser, help_text: str | None = None) -> None:
+    parser.add_argument(
+        "--chat-template-kwargs", type=_json_object, metavar="JSON",
+        help=help_text or "the chat template's keyword arguments, e.g. '{\"enable_thinking\": true}' (recorded)",
+    )  # fmt: skip
+
+
 def _collect(args) -> int:
     from rpb.collect import collect
 
@@ -37,6 +56,7 @@ def _collect(args) -> int:
         device=args.device,
         chunk_rows=args.chunk_rows,
         bucket=not args.no_bucket,
+        chat_template_kwargs=args.chat_template_kwargs,
     )
     n, _, layers, experts = art.prior_qa.shape
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank returns the artifact; one says so
@@ -53,6 +73,7 @@ def _validate(args) -> int:
         expected_model=args.expected_model,
         expected_layers=args.expected_layers,
         expected_experts=args.expected_experts,
+        expected_template_kwargs=args.chat_template_kwargs,
     )
     print(report.format(), file=sys.stdout if report.ok else sys.stderr)
     return 0 if report.ok else 1
@@ -100,6 +121,7 @@ def _retention(args) -> int:
         resolution=args.resolution, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
         tokenizer=args.tokenizer, adapter=args.adapter, dtype=args.dtype, device=args.device,
         progress=not args.no_progress, transitions=args.transitions, steps_by=args.steps_by,
+        chat_template_kwargs=args.chat_template_kwargs,
     )  # fmt: skip
     m = report["mean"]
     if args.post:
@@ -192,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunk-rows", type=int, default=256, help="rows per chunk written to <out>.partial/ (resume, shard unit)"
     )
     c.add_argument("--no-bucket", action="store_true", help="batch rows in file order, not by length")
+    _template_kwargs_option(c)
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(func=_collect)
 
@@ -201,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--expected-model")
     v.add_argument("--expected-layers", type=int)
     v.add_argument("--expected-experts", type=int)
+    _template_kwargs_option(v, "the chat template keyword arguments the prior must have been collected with")
     v.set_defaults(func=_validate)
 
     k = add("calibrate", help="before training: how far the prior bias moves the frozen base's own expert choice")
@@ -259,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps-by", metavar="REGEX",
                    help="also step-level transitions, answers cut where REGEX matches (e.g. '\\n')")  # fmt: skip
     r.add_argument("--no-progress", action="store_true")
+    _template_kwargs_option(r)
     r.set_defaults(func=_retention)
 
     m = add("megatron-check", help="validate a Megatron-Bridge run configuration (no GPU, no Bridge)")

@@ -68,6 +68,9 @@ class TrainSection:
 class DataSection:
     seed: int = 42
     packing: bool = False
+    #: the chat template's keyword arguments (``enable_thinking: true``, ``thinking: true``,
+    #: ``reasoning_effort: high``): passed to every rendering; must equal the prior's
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from rpb.artifact import load_artifact
 from rpb.checkpoints import CompleteMarker, resolve_resume, run_record, trim_log
 from rpb.config import RunConfig
 from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, LabelledData, file_sha256, load_labelled
+from rpb.data.reasoning import note_reasoning
 from rpb.errors import ArgumentError
 from rpb.fileio import write_text_atomic
 from rpb.lora import LoraSection
@@ -193,6 +194,7 @@ def attach_anchor(
             routers_sha256=routers_sha256(layers, facts),
             tokenizer=tokenizer_id or model_id,
             chat_template_sha256=ChatTemplate(tokenizer).sha256,
+            chat_template_kwargs=data.template_settings.get("chat_template_kwargs", {}),
             top_k=int(getattr(model.config, facts.top_k_config)),
             max_seq_len=max_seq_len,
             moe_layers=[m.layer_index for m in layers],
@@ -205,7 +207,8 @@ def attach_anchor(
         anchor_cfg = dataclasses.replace(anchor_cfg, router_transform=meta["router_transform"])
 
     info: dict = {"method": method.name, "rows": data.num_rows, "max_seq_len": max_seq_len, "data_sha256": data.sha256,
-                  "router_transform": anchor_cfg.router_transform}  # fmt: skip
+                  "router_transform": anchor_cfg.router_transform, **data.template_settings,
+                  "reasoning": data.reasoning}  # fmt: skip
     sigma_LE = None
     if method.shuffle is not None:
         labels_LE = None
@@ -244,7 +247,11 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
     artifact = load_artifact(cfg.prior) if cfg.prior else None  # memory-mapped: a node's ranks share one copy
     meta = artifact.metadata if artifact else {}
     max_seq_len = cfg.train.max_seq_len or meta["max_seq_len"]
-    data = load_labelled(cfg.data_jsonl, tokenizer, max_seq_len)  # every bad row, before any compute
+    # every bad row, before any compute; the day a clock-reading template sees is the prior's
+    data = load_labelled(
+        cfg.data_jsonl, tokenizer, max_seq_len, cfg.data.chat_template_kwargs, meta.get("chat_template_date")
+    )
+    note_reasoning(data.reasoning, data.template_settings)
     model = load_causal_lm(cfg.model, cfg.train.dtype)
     handle, info = attach_anchor(
         model, tokenizer, data, cfg.anchor, artifact, model_id=cfg.model, prior_path=cfg.prior,

@@ -187,6 +187,7 @@ def validate_artifact(
     expected_model: str | None = None,
     expected_layers: int | None = None,
     expected_experts: int | None = None,
+    expected_template_kwargs: dict | None = None,
 ) -> ValidationReport:
     report = ValidationReport(str(path))
     problems = report.problems
@@ -202,6 +203,11 @@ def validate_artifact(
         _check_data(art, meta, Path(data_jsonl), problems)
     if expected_model is not None:
         _check_model(meta, expected_model, problems)
+    if expected_template_kwargs is not None and meta.get("chat_template_kwargs") != expected_template_kwargs:
+        problems.append(
+            f"chat_template_kwargs: the prior was collected with {meta.get('chat_template_kwargs')!r}, "
+            f"expected {expected_template_kwargs!r} (another value renders other tokens: recollect)"
+        )
     if expected_layers is not None and art.prior_qa.dim() == 4 and art.prior_qa.shape[2] != expected_layers:
         problems.append(f"layers: the prior has {art.prior_qa.shape[2]} MoE layers, expected {expected_layers}")
     if expected_experts is not None and art.prior_qa.dim() == 4 and art.prior_qa.shape[3] != expected_experts:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rpb.artifact import ROUTED_ALL_POSITIONS
 from rpb.errors import RpbError
@@ -37,6 +37,8 @@ class RunFacts:
     num_experts: int
     router_transform: str | None = None  # None: whatever the prior used
     routed_positions: str = ROUTED_ALL_POSITIONS
+    #: the chat template's keyword arguments (enable_thinking, ...): another value renders other tokens
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 def model_mismatches(
@@ -76,6 +78,8 @@ def verify_prior(meta: dict, run: RunFacts, path: str = "prior") -> None:
     if meta.get("chat_template_sha256") != run.chat_template_sha256:
         mismatches.append(("tokenizer", meta.get("tokenizer"), run.tokenizer))
         check("chat_template_sha256", meta.get("chat_template_sha256"), run.chat_template_sha256)
+    # a prior of schema 1 was rendered without keyword arguments (rpb had none to give)
+    check("chat_template_kwargs", meta.get("chat_template_kwargs", {}), run.chat_template_kwargs)
     if run.router_transform is not None:
         check("router_transform", meta.get("router_transform"), run.router_transform)
     mismatches += [m for m in model if m[0] == "top_k"]

@@ -35,7 +35,8 @@ def training_rows_agreement(
     artifact = load_artifact(prior)
     max_seq_len = artifact.metadata["max_seq_len"]
     tok = load_tokenizer(str(base))
-    template = ChatTemplate(tok)
+    meta = artifact.metadata
+    template = ChatTemplate(tok, meta.get("chat_template_kwargs"), meta.get("chat_template_date"))  # as collected
     index = scan_rows(data_jsonl, template, max_seq_len)
     chosen = sorted(random.Random(seed).sample(range(index.num_rows), min(rows, index.num_rows)))
     examples = label_rows(index, template, max_seq_len, chosen)

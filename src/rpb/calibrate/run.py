@@ -188,7 +188,7 @@ def calibrate(
     artifact = load_artifact(prior)
     meta = artifact.metadata
     tok = load_tokenizer(tokenizer or model, trust_remote_code)
-    template = ChatTemplate(tok)
+    template = ChatTemplate(tok, meta.get("chat_template_kwargs"), meta.get("chat_template_date"))  # as collected
     index: RowIndex = scan_rows(data_jsonl, template, meta["max_seq_len"])  # every bad row, before any compute
     if rows is None:
         rows = min(DEFAULT_ROWS, index.num_rows)
@@ -199,7 +199,7 @@ def calibrate(
     run = RunFacts(
         data_sha256=index.sha256, num_rows=index.num_rows, model=str(model),
         routers_sha256=routers_sha256(layers, facts), tokenizer=str(tokenizer or model),
-        chat_template_sha256=template.sha256,
+        chat_template_sha256=template.sha256, chat_template_kwargs=template.kwargs,
         top_k=int(getattr(base.config, facts.top_k_config)), max_seq_len=meta["max_seq_len"],
         moe_layers=[m.layer_index for m in layers], num_experts=int(layers[0].router.weight.shape[0]),
     )  # fmt: skip

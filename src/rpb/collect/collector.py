@@ -30,6 +30,7 @@ from rpb.collect.dist import ranks
 from rpb.collect.rows import label_range, scan_rows
 from rpb.collect.store import WorkDir
 from rpb.data import ChatTemplate, Example, collate
+from rpb.data.reasoning import note_reasoning
 from rpb.errors import ArgumentError
 from rpb.models import DTYPES, config_sha256, load_base_model, load_tokenizer, pad_id_of, resolve_device
 from rpb.prior import NUM_SPANS, ROUTER_TRANSFORMS, SPAN_NAMES, router_probs, span_counts, span_sums
@@ -159,6 +160,7 @@ def collect(
     device: str = "auto",
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     bucket: bool = True,
+    chat_template_kwargs: dict | None = None,
 ) -> PriorArtifact:
     """Collect the prior of ``model_id`` over ``data_jsonl`` into ``out_path``, chunk by chunk.
 
@@ -181,8 +183,10 @@ def collect(
         raise ArgumentError("; ".join(problems))
     tokenizer_id = tokenizer_id or model_id
     tokenizer = load_tokenizer(tokenizer_id, trust_remote_code)
-    template = ChatTemplate(tokenizer)
+    template = ChatTemplate(tokenizer, chat_template_kwargs)
     rows = scan_rows(data_jsonl, template, max_seq_len)  # raises DataError before any compute
+    reasoning = template.reasoning.as_dict()  # the scan's count (chunks label their rows again)
+    note_reasoning(reasoning, template.settings)
     run = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
@@ -190,6 +194,8 @@ def collect(
         "model": str(model_id),
         "tokenizer": str(tokenizer_id),
         "chat_template_sha256": template.sha256,
+        **template.settings,
+        "reasoning": reasoning,
         "router_transform": router_transform,
         "top_k": int(top_k),
         "max_seq_len": int(max_seq_len),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +48,10 @@ class LabelledData:
     path: str
     sha256: str
     examples: list[Example]
+    #: what besides the template decided the rendering (``ChatTemplate.settings``)
+    template_settings: dict = field(default_factory=dict)
+    #: assistant turns carrying a reasoning, and those the template did not render (``ReasoningCount``)
+    reasoning: dict = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -68,12 +72,15 @@ def label_row(template: ChatTemplate, row, max_seq_len: int) -> tuple[list[int],
     return ids, spans
 
 
-def load_labelled(path: str | Path, tokenizer, max_seq_len: int) -> LabelledData:
-    """Every row of ``path`` labelled; raises DataError listing all bad rows."""
+def load_labelled(
+    path: str | Path, tokenizer, max_seq_len: int, template_kwargs: dict | None = None, date: str | None = None
+) -> LabelledData:
+    """Every row of ``path`` labelled; raises DataError listing all bad rows. ``template_kwargs`` and
+    ``date``: the chat template's keyword arguments and the day it sees (``ChatTemplate``)."""
     if max_seq_len < 2:
         raise ArgumentError(f"max_seq_len must be >= 2, got {max_seq_len}")
     path = Path(path)
-    template = ChatTemplate(tokenizer)
+    template = ChatTemplate(tokenizer, template_kwargs, date)
     rows, errors = read_jsonl(path)
     examples: list[Example] = []
     for index, row in enumerate(rows):
@@ -89,7 +96,7 @@ def load_labelled(path: str | Path, tokenizer, max_seq_len: int) -> LabelledData
         errors.append(RowError(1, "empty-file", "the data file has no rows"))
     if errors:
         raise DataError(str(path), sorted(errors, key=lambda e: e.line))
-    return LabelledData(str(path), file_sha256(path), examples)
+    return LabelledData(str(path), file_sha256(path), examples, template.settings, template.reasoning.as_dict())
 
 
 def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:

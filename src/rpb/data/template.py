@@ -12,11 +12,15 @@ assistant content; system and tool messages stay structural.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import cached_property
 
 from rpb.data.errors import RowProblem
 from rpb.data.jsonl import A_ROLES, Q_ROLES, MessagesRow, ReferenceRow, Row
+from rpb.data.reasoning import merge_channels, split_turn
 from rpb.errors import RpbError
 from rpb.prior import SPAN_A, SPAN_Q
 
@@ -56,40 +60,157 @@ class TemplateError(RpbError):
     """A tokenizer whose chat template cannot locate Q/A content."""
 
 
-class ChatTemplate:
-    """The tokenizer's chat template, probed once, used to locate content in rows."""
+#: apply_chat_template's own parameters, which template keyword arguments may not set
+_RESERVED = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 
-    def __init__(self, tokenizer):
+
+@dataclass
+class ReasoningCount:
+    """Assistant turns that carried a reasoning, and those whose reasoning the template did not render."""
+
+    turns: int = 0
+    dropped: int = 0
+    rows_dropped: int = 0
+
+    def count(self, turns, dropped: list[int]) -> None:
+        self.turns += sum(t is not None and t.reasoning is not None for t in turns)
+        self.dropped += len(dropped)
+        self.rows_dropped += bool(dropped)
+
+    def as_dict(self) -> dict:
+        return {"turns": self.turns, "dropped_turns": self.dropped, "rows_dropped": self.rows_dropped}
+
+
+@contextmanager
+def _clock_at(day: str):
+    """transformers' ``strftime_now`` reads ``datetime.now()`` of its chat-template module: pin it to ``day``."""
+    from transformers.utils import chat_template_utils as ctu
+
+    real = getattr(ctu, "datetime", None)
+    if real is None or not hasattr(real, "now"):
+        raise TemplateError(
+            "the chat template reads the clock (strftime_now) and this transformers version renders it "
+            "otherwise than rpb can pin; collection and training could render different dates"
+        )
+    pinned = real.combine(real.strptime(day, "%Y-%m-%d").date(), real.min.time())
+
+    class Pinned(real):
+        @classmethod
+        def now(cls, tz=None):
+            return pinned
+
+    ctu.datetime = Pinned
+    try:
+        yield
+    finally:
+        ctu.datetime = real
+
+
+class ChatTemplate:
+    """The tokenizer's chat template, probed once, used to locate content in rows.
+
+    ``kwargs``: the template's own keyword arguments (``enable_thinking``, ``thinking``,
+    ``reasoning_effort``), passed to every rendering. ``date``: the day a template that reads the clock
+    (gpt-oss's ``strftime_now``) sees, so collection and training render the same tokens on different
+    days; default today, recorded by the caller (``settings``)."""
+
+    def __init__(self, tokenizer, kwargs: dict | None = None, date: str | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
                 f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
                 "Q/A spans are derived from it, so one is required"
             )
         self.tokenizer = tokenizer
+        self.kwargs = dict(kwargs or {})
+        reserved = sorted(_RESERVED & set(self.kwargs))
+        if reserved:
+            raise TemplateError(f"chat template keyword arguments may not set {', '.join(reserved)}")
+        self.reads_clock = "strftime_now" in self._source
+        self.date = (date or datetime.date.today().isoformat()) if self.reads_clock else None
+        self.reasoning = ReasoningCount()
 
     @property
-    def sha256(self) -> str:
+    def _source(self) -> str:
         template = self.tokenizer.chat_template
         if isinstance(template, dict):  # named templates
             template = "\n".join(f"{k}\n{v}" for k, v in sorted(template.items()))
-        return hashlib.sha256(template.encode("utf-8")).hexdigest()
+        return template
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self._source.encode("utf-8")).hexdigest()
+
+    @property
+    def settings(self) -> dict:
+        """What besides the template decides the rendering: recorded with a prior, compared by train / validate."""
+        return {"chat_template_kwargs": dict(self.kwargs), "chat_template_date": self.date}
 
     def apply(self, messages, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        from jinja2.exceptions import TemplateError as JinjaError
+
+        try:
+            with _clock_at(self.date) if self.reads_clock else nullcontext():
+                return self.tokenizer.apply_chat_template(
+                    list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **self.kwargs
+                )
+        except JinjaError as e:  # raise_exception(...) in the template: it refuses this conversation
+            roles = ", ".join(m["role"] for m in messages)
+            raise RowProblem("template-refuses", f"the chat template refuses the conversation ({roles}): {e}") from None
 
     # ---- messages form -------------------------------------------------------------
     def locate_messages(self, messages) -> tuple[str, list[CharRange]]:
-        """Render a conversation and return its text and the content range of each Q/A message."""
-        probe = [{"role": m["role"], "content": _sentinel(i)} for i, m in enumerate(messages)]
-        segments = _split_on_sentinels(self.apply(probe, False), [m["content"] for m in probe])
+        """Render a conversation and return its text and the content range of each Q/A message.
+
+        An assistant turn's range runs from the first character of its reasoning, where the template
+        renders it, to the last of its answer: what lies between (``</think>``, harmony's final-channel
+        header) is the turn's too, while the marker that opens the reasoning stays structural like a role
+        header, whether the template or the row's content wrote it (``rpb.data.reasoning``). A reasoning
+        the template does not render is counted in ``self.reasoning``."""
+        messages, origin = merge_channels(list(messages))
+        turns = [split_turn(m, origin[i]) if m["role"] in A_ROLES else None for i, m in enumerate(messages)]
+        probe, parts, k = [], [], 0  # parts: (message, "reasoning" | "answer", sentinel)
+        for i, (m, turn) in enumerate(zip(messages, turns, strict=True)):
+            if turn is None or turn.reasoning is None:
+                probe.append({"role": m["role"], "content": _sentinel(k)})
+                parts.append((i, "answer", _sentinel(k)))
+                k += 1
+                continue
+            sr, sa = _sentinel(k), _sentinel(k + 1)
+            k += 2
+            probe.append(turn.probe(m, sr, sa))
+            parts += [(i, "reasoning", sr), (i, "answer", sa)]
+        rendered = self.apply(probe, False)
+        for i, part, sentinel in parts:
+            if part == "answer" and sentinel not in rendered:
+                raise RowProblem(
+                    "template-drops-content",
+                    f"the chat template does not render the content of message {origin[i]} (role-dependent filtering?)",
+                    field=f"messages[{origin[i]}].content",
+                )
+        dropped = [i for i, part, sentinel in parts if part == "reasoning" and sentinel not in rendered]
+        kept = [(i, part, sentinel) for i, part, sentinel in parts if sentinel in rendered]
+        segments = _split_on_sentinels(rendered, [s for _, _, s in kept])
         text = self.apply(messages, False)
-        contents = [m["content"] for m in messages]
-        ranges = _lay_onto_skeleton(text, segments, contents)
+        contents = []
+        for i, part, _ in kept:
+            turn = turns[i]
+            if turn is None:
+                contents.append(messages[i]["content"])
+            else:
+                contents.append(turn.reasoning if part == "reasoning" else turn.answer)
+        ranges = _lay_onto_skeleton(text, segments, contents, [origin[i] for i, _, _ in kept])
         if not any(segments):
             raise RowProblem("marker-free", "the chat template rendered no structural text at all")
-        spans = [(a, b, _span_of(m["role"])) for (a, b), m in zip(ranges, messages, strict=True)]
+        self.reasoning.count(turns, dropped)
+        by_message: dict[int, tuple[int, int]] = {}
+        for (i, _, _), (a, b) in zip(kept, ranges, strict=True):
+            lo, hi = by_message.get(i, (a, b))
+            by_message[i] = (min(lo, a), max(hi, b))
+        spans = [(*by_message[i], _span_of(m["role"])) for i, m in enumerate(messages) if i in by_message]
         return text, [(a, b, s) for a, b, s in spans if s is not None]
 
     # ---- reference form ------------------------------------------------------------
@@ -101,7 +222,10 @@ class ChatTemplate:
             {"role": "system", "content": ss},
             {"role": "assistant", "content": sa},
         )
-        prefix = self.apply([user], True)
+        try:
+            prefix = self.apply([user], True)
+        except RowProblem as p:
+            raise TemplateError(p.message) from None
         user_only = _split_on_sentinels(prefix, [su])
         with_system = _split_on_sentinels(self.apply([system, user], True), [ss, su])
         full = self.apply([user, assistant], False)
@@ -172,7 +296,13 @@ def _match_after_system(text: str, segments: list[str]) -> tuple[int, int] | Non
     return pos + len(middle), len(text) - len(tail)
 
 
-def _lay_onto_skeleton(text: str, segments: list[str], contents: list[str]) -> list[tuple[int, int]]:
+def _shorten(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-limit // 2 :]}"
+
+
+def _lay_onto_skeleton(
+    text: str, segments: list[str], contents: list[str], messages: list[int] | None = None
+) -> list[tuple[int, int]]:
     """Character range of each content in ``text`` given the probe's structural segments.
 
     Exact when the template inserts contents verbatim (the rendering is then
@@ -202,10 +332,15 @@ def _lay_onto_skeleton(text: str, segments: list[str], contents: list[str]) -> l
                 break
         else:
             if content.strip():
+                index = messages[i] if messages is not None else i
+                after = segments[i + 1] if i + 1 < len(segments) else ""
+                end = text.find(after, cursor) if after else -1
+                region = text[cursor : end if end >= 0 else cursor + len(content)]
                 raise RowProblem(
                     "template-mismatch",
-                    f"could not find the content of message {i} in the rendered conversation",
-                    field=f"messages[{i}].content",
+                    f"the chat template rewrites the content of message {index}: where the row has "
+                    f"{_shorten(content)!r} it renders {_shorten(region)!r}",
+                    field=f"messages[{index}].content",
                 )
             ranges.append((cursor, cursor))
     return ranges

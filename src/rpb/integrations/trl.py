@@ -207,16 +207,18 @@ class SFTTrainer(AnchorTrainerMixin, trl.SFTTrainer):
 
 def prepare(
     model, tokenizer, data_jsonl: str, anchor: AnchorConfig, prior: str | None = None, *,
-    max_seq_len: int | None = None, model_id: str | None = None,
+    max_seq_len: int | None = None, model_id: str | None = None, chat_template_kwargs: dict | None = None,
 ) -> tuple[AnchorHandle, LabelledData]:  # fmt: skip
     """Label the data file, check the prior against it and the model (the errors of ``rpb train``),
     and install the anchor; returns ``(handle, rows)`` for ``SFTTrainer(..., train_dataset=rows,
-    anchor=handle)``. Call ``handle.remove()`` after training."""
+    anchor=handle)``. Call ``handle.remove()`` after training. ``chat_template_kwargs``: the template's keyword
+    arguments (``{"enable_thinking": True}``), which must be the prior's."""
     artifact = load_artifact(prior) if prior else None
     max_seq_len = max_seq_len or (artifact.metadata["max_seq_len"] if artifact is not None else None)
     if max_seq_len is None:
         raise ConfigError("prepare", ["max_seq_len: required when there is no prior to read it from"])
-    data = load_labelled(data_jsonl, tokenizer, max_seq_len)
+    date = artifact.metadata.get("chat_template_date") if artifact is not None else None
+    data = load_labelled(data_jsonl, tokenizer, max_seq_len, chat_template_kwargs, date)
     name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
     handle, _ = attach_anchor(model, tokenizer, data, anchor, artifact, model_id=name, prior_path=prior or "prior",
                               max_seq_len=max_seq_len, progress=False)  # fmt: skip

@@ -208,13 +208,14 @@ def run_retention(
     progress: bool = True,
     transitions: bool = False,
     steps_by: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> dict:
     """Compute, write and return the retention report (report.json, report.md, PNGs in ``out_dir``)."""
     from rpb.retention.markdown import write_markdown
     from rpb.retention.plots import plot_coactivation, plot_layer_bars, plot_utilization
 
     tok = load_tokenizer(tokenizer or base)
-    data = load_labelled(data_jsonl, tok, max_seq_len)  # every bad row, before any compute
+    data = load_labelled(data_jsonl, tok, max_seq_len, chat_template_kwargs)  # every bad row, before any compute
     rows = select_rows(data.num_rows, max_rows, seed)
     examples = [data.examples[i] for i in rows]
     models, layers, described = [], [], []
@@ -233,7 +234,7 @@ def run_retention(
     stats, overlap = collect_routing(models, layers, examples, batch_size, pad_id_of(tok), progress, transitions,
                                      steps)  # fmt: skip
     info = {"base": str(base), "post": str(post) if post else None, "data": str(data_jsonl), "rows": len(rows),
-            **described[0], **({"steps_by": steps_by} if steps_by else {})}  # fmt: skip
+            **described[0], **({"steps_by": steps_by} if steps_by else {}), **data.template_settings}  # fmt: skip
     report = build_report(info, stats, overlap, seed, resolution)
 
     out = Path(out_dir)

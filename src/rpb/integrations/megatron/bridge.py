@@ -352,6 +352,7 @@ class PreparedData:
                 max_seq_len=meta["max_seq_len"],
                 routed_positions=ROUTED_ALL_POSITIONS,
                 router_transform=cfg.anchor.router_transform,
+                chat_template_kwargs=self.data.template_settings.get("chat_template_kwargs"),
             )
             if not first_step:
                 # resumed: the routers have trained, so their fingerprint is no longer the base model's
@@ -386,7 +387,11 @@ def prepare_data(cfg) -> PreparedData:
     artifact = load_artifact(cfg.prior) if cfg.prior else None
     max_seq_len = artifact.metadata["max_seq_len"] if artifact is not None else cfg.train.seq_length
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_id, cfg.model.trust_remote_code)
-    data = load_labelled(cfg.data_file, tokenizer, max_seq_len)
+    # rendered as the prior was: its template keyword arguments, and the day a clock-reading template saw
+    settings = artifact.metadata if artifact is not None else {}
+    data = load_labelled(
+        cfg.data_file, tokenizer, max_seq_len, settings.get("chat_template_kwargs"), settings.get("chat_template_date")
+    )
     return PreparedData(cfg, data, tokenizer, artifact)
 
 

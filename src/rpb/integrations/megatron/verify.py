@@ -46,6 +46,7 @@ def megatron_run_facts(
     max_seq_len: int,
     routed_positions: str,
     router_transform: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> RunFacts:
     first = routers[0].module
     return RunFacts(
@@ -61,6 +62,7 @@ def megatron_run_facts(
         num_experts=int(first.config.num_moe_experts),
         router_transform=router_transform,
         routed_positions=routed_positions,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
     )
 
 

@@ -1,0 +1,54 @@
+"""Vendors' chat templates as they ship (tests/fixtures/templates, sources in SOURCES.json), each with a
+tokenizer carrying the vendor's special tokens.
+
+The tokenizer is byte-level with one token per byte (no merges), so decoding a labelled run of tokens shows
+exactly the characters the labels cover; BPE tokens that straddle a content boundary are tested with
+``tests/extra_tokenizers.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+
+#: name -> (bos, eos, other added tokens the template's text does not show as markers)
+VENDORS = {
+    "kimi_k2": ("[BOS]", "[EOS]", []),
+    "deepseek_v3_1": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", ["<think>", "</think>"]),
+    "deepseek_r1": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", ["<think>", "</think>"]),
+    "qwen3": (None, "<|im_end|>", ["<think>", "</think>"]),
+    "mixtral": ("<s>", "</s>", []),
+    "gpt_oss": ("<|startoftext|>", "<|return|>", []),
+}
+_MARKERS = re.compile(r"<\|[a-z_]+\|>|<｜[^｜]+｜>")
+
+
+def template_text(name: str) -> str:
+    """The template's text, byte for byte (Kimi-K2's has CRLF line ends, which text mode would change)."""
+    return (TEMPLATES / f"{name}.jinja").read_bytes().decode("utf-8")
+
+
+def sources() -> dict:
+    return json.loads((TEMPLATES / "SOURCES.json").read_text())
+
+
+def vendor_tokenizer(name: str) -> PreTrainedTokenizerFast:
+    bos, eos, extra = VENDORS[name]
+    text = template_text(name)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = sorted({*_MARKERS.findall(text), *(t for t in (bos, eos) if t)} - {None})
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos, chat_template=text,
+        additional_special_tokens=specials,
+    )  # fmt: skip
+    fast.add_tokens(extra)
+    return fast
