@@ -142,3 +142,28 @@ def test_every_family_end_to_end(name, replica, tmp_path):
     run_retention(str(model_dir), data, tmp_path / "retention", post=str(outs["rpb"]), max_rows=4, progress=False)
     retained = json.loads((tmp_path / "retention" / "report.json").read_text())
     assert retained["moe_layers"] == art.metadata["moe_layers"]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_k2"])
+def test_a_config_naming_remote_code_loads_natively(name, replica, tmp_path):
+    """DeepSeek-V3 and Kimi-K2 ship an ``auto_map`` to their own modeling code (so does Moonlight): with the
+    map kept as published and no code beside it, rpb loads the native class (docs/collect.md)."""
+    import shutil
+
+    from rpb.models import load_base_model
+
+    auto_map = published(name)["auto_map"]
+    assert "AutoModelForCausalLM" in auto_map
+    folder = tmp_path / "with-auto-map"
+    shutil.copytree(replica(name), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"auto_map": auto_map}))
+    assert not list(folder.glob("*.py"))
+    model = load_causal_lm(str(folder))
+    base, _ = load_base_model(str(folder), device="cpu")
+    from transformers.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    assert isinstance(model, DeepseekV3ForCausalLM)  # Kimi-K2's: rpb's explicit alias of that class
+    reference = load_causal_lm(str(replica(name)))
+    for got, want in ((model, reference), (base, reference.model)):
+        assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values()))
