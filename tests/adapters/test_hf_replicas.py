@@ -166,4 +166,5 @@ def test_a_config_naming_remote_code_loads_natively(name, replica, tmp_path):
     assert isinstance(model, DeepseekV3ForCausalLM)  # Kimi-K2's: rpb's explicit alias of that class
     reference = load_causal_lm(str(replica(name)))
     for got, want in ((model, reference), (base, reference.model)):
-        assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values()))
+        got_sd, want_sd = got.state_dict(), want.state_dict()
+        assert got_sd.keys() == want_sd.keys() and all(torch.equal(got_sd[k], want_sd[k]) for k in got_sd)
