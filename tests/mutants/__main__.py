@@ -1,0 +1,5 @@
+import sys
+
+from tests.mutants.harness import main
+
+sys.exit(main())
