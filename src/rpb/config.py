@@ -163,13 +163,21 @@ def build_section(cls, data: dict, problems: list[str], prefix: str = ""):
 
 def _set_dotted(tree: dict, dotted: str, raw: str, problems: list[str]) -> None:
     keys = dotted.split(".")
+    if not all(keys):
+        problems.append(f"override {dotted!r}: expected key.sub=value with no empty key")
+        return
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as e:
+        problems.append(f"override {dotted}: the value {raw!r} is not YAML ({str(e).splitlines()[0]})")
+        return
     node = tree
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             problems.append(f"override {dotted}: {k} is not a section")
             return
-    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else None
+    node[keys[-1]] = value
 
 
 def read_tree(path: str | Path | None, overrides: list[str], problems: list[str]) -> dict:
@@ -181,8 +189,10 @@ def read_tree(path: str | Path | None, overrides: list[str], problems: list[str]
     if path is not None:
         try:
             tree = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             raise ConfigError(str(path), [f"cannot read: {e}"]) from None
+        if not isinstance(tree, dict):
+            raise ConfigError(str(path), [f"expected a mapping of sections, got {type(tree).__name__}"])
     for item in overrides:
         if "=" not in item:
             problems.append(f"override {item!r}: expected key.sub=value")

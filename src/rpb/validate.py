@@ -61,7 +61,8 @@ def _check_metadata(meta: dict, problems: list[str]) -> None:
         if key not in meta:
             problems.append(f"metadata: missing field {key!r}")
         elif not isinstance(meta[key], kind) or isinstance(meta[key], bool):
-            problems.append(f"metadata: field {key!r} should be {kind.__name__}, got {type(meta[key]).__name__}")
+            expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            problems.append(f"metadata: field {key!r} should be {expected}, got {type(meta[key]).__name__}")
     if meta.get("schema") != SCHEMA:
         problems.append(f"metadata: schema is {meta.get('schema')!r}, expected {SCHEMA!r}")
     if meta.get("schema_version") != SCHEMA_VERSION:

@@ -78,7 +78,33 @@ def parse_object(raw: bytes) -> dict:
         raise RowProblem("malformed-json", f"not valid JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(obj, dict):
         raise RowProblem("malformed-json", f"expected a JSON object, got {type(obj).__name__}")
+    where = _surrogate_at(obj, "")
+    if where is not None:
+        raise RowProblem(
+            "invalid-text",
+            "a string holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair): not text, "
+            "and no tokenizer can encode it",
+            field=where or None,
+        )
     return obj
+
+
+def _surrogate_at(value, path: str) -> str | None:
+    """The field path of the first string (or key) holding a lone surrogate, or None."""
+    if isinstance(value, str):
+        return path if any("\ud800" <= c <= "\udfff" for c in value) else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            inner = f"{path}.{k}" if path else str(k)
+            found = _surrogate_at(k, inner) if any("\ud800" <= c <= "\udfff" for c in k) else _surrogate_at(v, inner)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _surrogate_at(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def parse_row(raw: bytes) -> Row:
