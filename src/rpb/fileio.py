@@ -45,18 +45,50 @@ def atomic_path(path: str | Path, *, tmp_dir: str | Path | None = None, director
         tmp.chmod(0o666 & ~_UMASK)
     try:
         yield tmp
-        if directory:
-            shutil.rmtree(path, ignore_errors=True)
-        else:
+        old = None
+        if directory and path.exists():
+            # renamed away whole (one step), never deleted in place: a kill leaves the old folder or none
+            old = path.with_name(f".{path.name}.{os.getpid()}.{tmp.name[-14:-8]}.old")
+            os.replace(path, old)
+        elif not directory:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         if directory:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def output_folder(path: str | Path, owned) -> Iterator[Path]:
+    """A results folder written whole (``rpb calibrate --out``, ``rpb retention --out``): yields a fresh
+    folder beside ``path`` to write into, which then replaces ``path``; killed at any point, ``path``
+    holds the previous complete result or nothing, never a mix. A ``path`` holding files that
+    ``owned(name)`` does not claim is refused, so a folder of the user's is never replaced; what an
+    earlier killed run left beside it is removed first."""
+    from rpb.errors import ArgumentError
+
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise ArgumentError(f"{path}: exists and is not a folder")
+        foreign = sorted(p.name for p in path.iterdir() if not owned(p.name))
+        if foreign:
+            raise ArgumentError(
+                f"{path}: holds files rpb does not write there ({', '.join(foreign[:5])}); "
+                "rpb replaces its output folder whole, so choose a new or empty one"
+            )
+    if path.parent.is_dir():
+        for stale in path.parent.glob(f".{path.name}.*"):
+            if stale.is_dir() and stale.name.endswith((".partial", ".old")):
+                shutil.rmtree(stale, ignore_errors=True)
+    with atomic_path(path, directory=True) as tmp:
+        yield tmp
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

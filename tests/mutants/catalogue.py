@@ -13,7 +13,9 @@ MUTANTS: tuple[Mutant, ...] = (
         function="AnchorTrainerMixin.compute_loss",
         pattern=r"loss = loss \+ term / self\._anchor_divisor\(num_items_in_batch\)",
         replacement="loss = loss",
-        tests=("tests/test_train_wiring.py::test_the_term_reaches_the_router_gradient_as_its_formula_says[kl-to-base]",),
+        tests=(
+            "tests/test_train_wiring.py::test_the_term_reaches_the_router_gradient_as_its_formula_says[kl-to-base]",
+        ),
     ),
     Mutant(
         name="anchor_term_detached",
@@ -22,7 +24,9 @@ MUTANTS: tuple[Mutant, ...] = (
         function="AnchorTrainerMixin.compute_loss",
         pattern=r"term = self\.anchor\.loss\(\)",
         replacement="term = self.anchor.loss().detach()",
-        tests=("tests/test_train_wiring.py::test_the_term_reaches_the_router_gradient_as_its_formula_says[kl-to-base]",),
+        tests=(
+            "tests/test_train_wiring.py::test_the_term_reaches_the_router_gradient_as_its_formula_says[kl-to-base]",
+        ),
     ),
     Mutant(
         name="anchor_term_not_divided_by_accumulation",
@@ -74,16 +78,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ci=True,
     ),
     Mutant(
-        name="structural_tokens_biased",
-        story="the per-token bias is not masked to content tokens: structural tokens get some pair's prior",
+        name="structural_tokens_forced_by_the_prior",
+        story="structural and padding tokens are not given their native choice back: rpb-hard forces them too",
         path="anchors/handle.py",
-        function="AnchorHandle.prior_choice",
-        pattern=r"bias_TE = tables\.bias_PLE\[tables\.pair_T, pos\] \* tables\.content_T\[:, None\]",
-        replacement="bias_TE = tables.bias_PLE[tables.pair_T, pos]",
-        tests=(
-            "tests/anchors/test_handle.py::"
-            "test_rpb_selects_on_biased_logits_and_keeps_structural_and_padding_native[qwen3_moe]",
-        ),
+        function="AnchorHandle._prior_selection",
+        pattern=r"ids_TK = torch\.where\(content_T1, ids_TK, native_ids_TK\)",
+        replacement="ids_TK = ids_TK",
+        tests=("tests/anchors/test_handle.py::test_rpb_hard_forces_the_prior_top_k[qwen3_moe]",),
     ),
     Mutant(
         name="layer_terms_summed_not_averaged",
@@ -131,7 +132,9 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r"return combine_weights\(logits_TE, topk_ids_TK, spec\), topk_ids_TK",
         replacement="z_TE = logits_TE if bias_TE is None else logits_TE + bias_TE\n"
         "    return combine_weights(z_TE, topk_ids_TK, spec), topk_ids_TK",
-        tests=("tests/test_routing.py::test_biased_selection_and_unbiased_gates_match_the_family_reference[qwen3_moe]",),
+        tests=(
+            "tests/test_routing.py::test_biased_selection_and_unbiased_gates_match_the_family_reference[qwen3_moe]",
+        ),
         ci=True,
     ),
     Mutant(
@@ -277,7 +280,9 @@ MUTANTS: tuple[Mutant, ...] = (
         function="AnchorCollator.__call__",
         pattern=r"out\[\"labels\"\]\[b, t\] = IGNORE_INDEX",
         replacement="pass",
-        tests=("tests/data/test_batches.py::test_padding_free_is_one_row_without_a_mask_and_no_label_crosses_examples",),
+        tests=(
+            "tests/data/test_batches.py::test_padding_free_is_one_row_without_a_mask_and_no_label_crosses_examples",
+        ),
     ),
     Mutant(
         name="template_kwargs_not_passed",

@@ -94,7 +94,9 @@ def _kill_kind(junit: Path) -> str | None:
     """'killed' if a listed test failed on an assertion, 'error' if one failed otherwise, None if none failed."""
     if not junit.is_file():
         return "error"
-    kinds = [f.get("type", "") for f in ET.parse(junit).getroot().iter() if f.tag in ("failure", "error")]
+    # pytest's junit XML gives a failure no type attribute: its text ends with the "path:line: ExceptionType" line
+    kinds = [(f.get("type") or (f.text or "").rsplit(": ", 1)[-1].strip()) if f.tag == "failure" else f.get("type", "")
+             for f in ET.parse(junit).getroot().iter() if f.tag in ("failure", "error")]  # fmt: skip
     if not kinds:
         return None
     return "killed" if any(k.rsplit(".", 1)[-1] in _ASSERTIONS for k in kinds) else "error"

@@ -7,13 +7,14 @@ out and the cells stay unlabelled, below 25 layers each cell carries its value.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
 
-from rpb.fileio import write_json_atomic, write_text_atomic
+from rpb.fileio import output_folder
 from rpb.retention.markdown import fmt
 
 LABELLED_LAYERS = 25
@@ -115,8 +116,13 @@ def plot_heatmap(report: dict, path: Path) -> Path:
     return path
 
 
+#: what `rpb calibrate --out` holds
+FILES = ("calibrate.json", "calibrate.md", "calibrate.png")
+
+
 def write_report(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    plot_heatmap(report, out / "calibrate.png")
-    write_text_atomic(out / "calibrate.md", render_markdown(report))
-    write_json_atomic(out / "calibrate.json", report)  # last: its presence means the calibration finished
+    """The three files, published together (``output_folder``: a kill leaves the previous result or none)."""
+    with output_folder(out, FILES.__contains__) as tmp:
+        plot_heatmap(report, tmp / "calibrate.png")
+        (tmp / "calibrate.md").write_text(render_markdown(report), encoding="utf-8")
+        (tmp / "calibrate.json").write_text(json.dumps(report, indent=1), encoding="utf-8")

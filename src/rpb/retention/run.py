@@ -9,6 +9,7 @@ describes the base alone.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 from rpb.adapters import find_moe_layers
 from rpb.data import collate, load_labelled
 from rpb.errors import ArgumentError, RpbError
-from rpb.fileio import write_json_atomic
+from rpb.fileio import output_folder
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
 from rpb.retention.communities import louvain, nmi
 from rpb.retention.metrics import entropy_bits, jsd_bits, shares, tvd
@@ -211,9 +212,6 @@ def run_retention(
     chat_template_kwargs: dict | None = None,
 ) -> dict:
     """Compute, write and return the retention report (report.json, report.md, PNGs in ``out_dir``)."""
-    from rpb.retention.markdown import write_markdown
-    from rpb.retention.plots import plot_coactivation, plot_layer_bars, plot_utilization
-
     tok = load_tokenizer(tokenizer or base)
     data = load_labelled(data_jsonl, tok, max_seq_len, chat_template_kwargs)  # every bad row, before any compute
     rows = select_rows(data.num_rows, max_rows, seed)
@@ -237,8 +235,20 @@ def run_retention(
             **described[0], **({"steps_by": steps_by} if steps_by else {}), **data.template_settings}  # fmt: skip
     report = build_report(info, stats, overlap, seed, resolution)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with output_folder(out_dir, _owned) as out:  # published whole: a kill leaves the previous report or none
+        _write(report, stats, layers, info, post, transitions, out)
+    return report
+
+
+def _owned(name: str) -> bool:
+    """What `rpb retention --out` holds."""
+    return name in ("report.json", "report.md") or name.endswith(".png")
+
+
+def _write(report: dict, stats, layers, info: dict, post, transitions: bool, out: Path) -> None:
+    from rpb.retention.markdown import write_markdown
+    from rpb.retention.plots import plot_coactivation, plot_layer_bars, plot_utilization
+
     util = [torch.stack([torch.tensor(shares(st.load_SLE[0, p])) for p in range(len(layers[0]))]) for st in stats]
     images = {
         "utilization": plot_utilization(
@@ -264,6 +274,5 @@ def run_retention(
                 title="expert transitions W[from, to]",
             )
     images = {k: Path(v).name for k, v in images.items()}
-    write_json_atomic(out / "report.json", _json_safe(report))
+    (out / "report.json").write_text(json.dumps(_json_safe(report), indent=1), encoding="utf-8")
     write_markdown(report, images, out / "report.md")
-    return report
