@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # A CPU build of PyTorch: an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint mutants clean
 
 $(BIN)/rpb: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ lint: venv
 
 test: venv lint
 	$(BIN)/python -m pytest -q
+
+# every mutant of tests/mutants/catalogue.py against the tests that must catch it (docs/testing.md)
+mutants: venv
+	$(BIN)/python -m tests.mutants
 
 clean:
 	rm -rf $(VENV) rpb-demo .pytest_cache .ruff_cache

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,7 @@ def test_a_folder_of_the_users_is_never_replaced(save_tiny, tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("keep")
     data = write_jsonl(conversations(4, seed=1), tmp_path / "d.jsonl")
-    with pytest.raises(ArgumentError, match="holds files rpb does not write there \\(notes.txt\\)"):
+    with pytest.raises(ArgumentError, match=re.escape("holds files rpb does not write there (notes.txt)")):
         from rpb.retention.run import run_retention
 
         run_retention(str(save_tiny("qwen3_moe")), data, out, max_rows=4, progress=False, device="cpu")

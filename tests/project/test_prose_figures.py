@@ -1,0 +1,135 @@
+"""Figures in prose come from data: the headline grid's numbers in the README and docs/toyworld.md are checked
+against the shipped report (docs/results/headline/tables.md, itself regenerated from the shipped cells by
+tests/project/test_shipped_results.py), so rerunning the grid makes the prose fail here until it is updated.
+Results whose cells are not shipped are marked "not reproducible from the repository" where they are quoted;
+only the named exceptions below may be."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLES = (ROOT / "docs" / "results" / "headline" / "tables.md").read_text()
+README = (ROOT / "README.md").read_text()
+TOYWORLD = (ROOT / "docs" / "toyworld.md").read_text()
+MARK = "not reproducible from the repository"
+#: the sections of docs/toyworld.md whose results have no shipped cells, each marked so
+EXCEPTIONS = ("## The demo", "## Long reasoning traces: the `cot` grid", "## Earlier results: one base")
+
+
+def sections(text: str, level: str) -> dict[str, str]:
+    """Heading (without its hashes) -> body, for every heading of exactly ``level`` hashes."""
+    parts = re.split(rf"^{level} (.+)$", text, flags=re.M)
+    return {title.strip(): body.strip() for title, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def rows(title: str) -> list[dict[str, str]]:
+    """A table of tables.md, row by row: {column: cell}."""
+    lines = [ln for ln in sections(TABLES, "###")[title].splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, [c.strip() for c in ln.strip("|").split("|")], strict=True)) for ln in lines[2:]]
+
+
+def table(title: str) -> dict[str, dict[str, str]]:
+    """A table of tables.md keyed by its first cell."""
+    return {next(iter(r.values())): r for r in rows(title)}
+
+
+def flat(text: str) -> str:
+    """Line breaks and runs of spaces as one space: prose is wrapped anywhere."""
+    return re.sub(r"\s+", " ", text)
+
+
+def unicode_minus(text: str) -> str:
+    return text.replace("-", "−")
+
+
+OUTCOME = "{}: exact match, and each method minus sft on the same base and seed"
+ROUTING = "{}: what the training did to the routing (content tokens, mean ± sd over cells)"
+CALIBRATED = "Calibrated beta per base and set (`rpb calibrate`, rule in rpb/calibrate/rule.py)"
+
+
+def negated(interval: str) -> str:
+    """'-1.5 [-2.3, -0.6]' -> '1.5 [0.6, 2.3]' (the README says "below")."""
+    est, lo, hi = (float(x) for x in re.findall(r"[-+]?\d+\.\d+", interval))
+    return f"{-est:.1f} [{-hi:.1f}, {-lo:.1f}]"
+
+
+def readme_figures() -> list[tuple[str, str]]:
+    """(what the README must say, where it comes from) for each headline figure it quotes."""
+    math, code = table(OUTCOME.format("math_post")), table(OUTCOME.format("code_post"))
+    displaced = [float(table(ROUTING.format(s))["rpb"]["displaced before training"].split(" ± ")[0]) for s in
+                 ("math_post", "code_post")]  # fmt: skip
+    betas = {v for row in table(CALIBRATED).values() for k, v in row.items() if k != "base"}
+    (beta,) = betas
+    return [
+        (f"(`sft` {math['sft']['ID %']}% ID)", "math_post, sft, ID %"),
+        (
+            f"`rpb` at the paper's beta 1 is {negated(code['rpb']['Δ ID vs sft [95% CI]'])} points below `sft`",
+            "code_post rpb ΔID",
+        ),
+        (f"it is level ({unicode_minus(code['rpb calibrated']['Δ ID vs sft [95% CI]'])})", "code_post calibrated ΔID"),
+        (f"({beta} on every base)", "calibrated beta table"),
+        (f"{round(min(displaced) * 100)}–{round(max(displaced) * 100)}% of content tokens", "displaced, rpb"),
+    ]
+
+
+@pytest.mark.parametrize(("phrase", "source"), readme_figures(), ids=[s for _, s in readme_figures()])
+def test_each_headline_figure_in_the_readme_is_the_shipped_reports(phrase, source):
+    assert flat(phrase) in flat(README), f"README does not say {phrase!r} ({source} in docs/results/headline/tables.md)"
+
+
+def test_the_readmes_verdicts_are_the_shipped_reports():
+    claims = table("The paper's claims, judged by rule (docs/toyworld.md)")
+    verdicts = {row["verdict"] for row in claims.values()}
+    assert "reproduces" not in verdicts and "no claim of the paper reproduces" in flat(README)
+    beta_rule = rows(
+        "The beta rule against the best beta the grid ran (criterion: mean of ID and OOD on the validation part; "
+        "base 0 is in-sample: the rule was written knowing it)"
+    )
+    assert len(beta_rule) == 6 and {row["agrees"] for row in beta_rule} == {"yes"}
+    assert {row["betas compared"] for row in beta_rule} == {"0, 0.25, 1"}
+    assert "within noise of the best of the betas run (0, 0.25, 1) on all six base-and-set pairs" in flat(README)
+
+
+def test_the_headline_tables_in_docs_toyworld_are_the_shipped_reports():
+    shipped = sections(TABLES, "###")
+    quoted = sections(TOYWORLD.split("## The headline grid: three bases", 1)[1].split("\n## ", 1)[0], "####")
+    assert quoted and set(quoted) <= set(shipped)
+    for title, body in quoted.items():
+        if title.startswith("The paper's claims"):  # the claims this grid does not run are left out
+            rows = [ln for ln in body.splitlines() if ln.startswith("|")]
+            assert all(ln in shipped[title].splitlines() for ln in rows), title
+        else:
+            assert body == shipped[title], title
+
+
+def test_results_without_shipped_cells_are_marked_where_quoted():
+    for heading in EXCEPTIONS:
+        body = TOYWORLD.split(heading, 1)[1].split("\n## ", 1)[0]
+        assert MARK in flat(body), heading
+    # the README quotes the cot grid, whose cells are not shipped
+    cot = README.split("On long traces (the `cot` grid", 1)[1].split("\n\n", 1)[0]
+    assert MARK in flat(cot)
+    assert flat(README).count(MARK) + flat(TOYWORLD).count(MARK) == 1 + len(EXCEPTIONS)  # nothing else may be
+
+
+@pytest.mark.parametrize(
+    ("page", "figure", "typo"),
+    [("README", "1.5 [0.6, 2.3]", "1.6 [0.6, 2.3]"), ("README", "79–82%", "79–83%"),
+     ("TOYWORLD", "| rpb | 75.9 ± 3.1 |", "| rpb | 75.8 ± 3.1 |")],
+)  # fmt: skip
+def test_mutant_figure_edited_without_the_data_is_caught(page, figure, typo, monkeypatch):
+    text = globals()[page]
+    assert figure in text
+    monkeypatch.setitem(globals(), page, text.replace(figure, typo))
+
+    def readme():
+        for phrase, source in readme_figures():
+            test_each_headline_figure_in_the_readme_is_the_shipped_reports(phrase, source)
+
+    with pytest.raises(AssertionError):
+        (test_the_headline_tables_in_docs_toyworld_are_the_shipped_reports if page == "TOYWORLD" else readme)()
