@@ -1,7 +1,8 @@
 """``rpb train`` that dies by SIGKILL right after its checkpoint at step K is complete, leaving a
 half-written checkpoint K+1 behind (as a kill during the next save would; none after the final checkpoint,
 where the kill interrupts the final save):
-``python tests/resume_worker.py K override ...``."""
+``python tests/resume_worker.py K override ...``; with ``RPB_KILL_DURING_SAVE=1``, killed inside the save of
+checkpoint K itself instead (its weights on disk, its optimizer state not)."""
 
 import os
 import signal
@@ -27,5 +28,25 @@ class Die(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_during_save(step: int) -> None:
+    """SIGKILL inside the Trainer's save of checkpoint ``step``: its weights written, its optimizer state not."""
+    from transformers import Trainer
+
+    real = Trainer._save_optimizer_and_scheduler
+
+    def save(self, output_dir):
+        if self.state.global_step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, output_dir)
+
+    Trainer._save_optimizer_and_scheduler = save
+
+
 if __name__ == "__main__":
-    run_training(load_config(None, sys.argv[2:]), progress=False, callbacks=[Die(int(sys.argv[1]))])
+    step = int(sys.argv[1])
+    if os.environ.get("RPB_KILL_DURING_SAVE"):
+        die_during_save(step)
+        callbacks = []
+    else:
+        callbacks = [Die(step)]
+    run_training(load_config(None, sys.argv[2:]), progress=False, callbacks=callbacks)

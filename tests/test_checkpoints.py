@@ -66,9 +66,21 @@ def test_killed_and_resumed_equals_uninterrupted(setup, method, tmp_path):
     assert steps == [1, 2, 3]  # the killed run's later records were dropped, the resumed run's written once
 
 
-def kill_after(setup, out, step, method, *extra) -> None:
-    """Run in another process and SIGKILL it once its checkpoint at ``step`` is complete."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def test_a_kill_during_a_save_leaves_that_checkpoint_unmarked(setup, tmp_path):
+    """The marker is written after the Trainer's whole save: killed in the middle of saving checkpoint 2 (its
+    weights written, its optimizer state not), checkpoint 2 has no marker and `auto` would take checkpoint 1."""
+    out = tmp_path / "killed"
+    kill_after(setup, out, 2, "rpb", during_save=True)
+    torn = out / "checkpoint-2"
+    assert (torn / "model.safetensors").is_file() and not (torn / "optimizer.pt").exists()
+    assert not (torn / MARKER).exists()
+    assert [d.name for d in complete_checkpoints(out)] == ["checkpoint-1"]
+
+
+def kill_after(setup, out, step, method, *extra, during_save: bool = False) -> None:
+    """Run in another process and SIGKILL it once its checkpoint at ``step`` is complete (``during_save``: in
+    the middle of writing it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"RPB_KILL_DURING_SAVE": "1"} if during_save else {})}
     done = subprocess.run([sys.executable, str(WORKER), str(step), *overrides(setup, out, method, *extra)], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == -9, done.stderr[-3000:]

@@ -42,3 +42,23 @@ def test_a_failed_directory_build_is_removed_and_the_old_one_kept(tmp_path):
         (tmp / "v").write_text("2")
         raise RuntimeError("pretraining failed")
     assert (tmp_path / "model" / "v").read_text() == "1" and [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+@pytest.mark.parametrize("write", [write_text_atomic, lambda p, text: write_json_atomic(p, {"text": text})])
+def test_a_text_write_cut_off_midway_leaves_the_old_file_whole(write, tmp_path, monkeypatch):
+    """The disk fills (or the process dies) half way through the bytes: the old file is still there, whole."""
+    from pathlib import Path
+
+    path = tmp_path / "record.json"
+    path.write_text("old")
+    real = Path.write_text
+
+    def half_then_fail(self, data, *args, **kwargs):
+        real(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        write(path, "new content, long enough to be cut in two")
+    monkeypatch.undo()
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]

@@ -173,7 +173,6 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r"return log_q - log_q\.mean\(dim=-1, keepdim=True\)",
         replacement="return log_q",
         tests=("tests/test_prior.py::test_clip_and_bias_golden",),
-        ci=True,
     ),
     Mutant(
         name="upper_clip_ignored",
@@ -196,7 +195,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- anchors/prior_routing.py / controls.py ----------------------------------------------------------------
     Mutant(
         name="beta_applied_twice",
-        story="the bias table multiplies by beta and the caller's already-scaled beta again: beta squared",
+        story="the step's bias table is scaled by beta twice: beta squared reaches the logits",
         path="anchors/prior_routing.py",
         function="PriorRouting._build",
         pattern=r"self\.beta \* log_prior_bias\(",
@@ -314,6 +313,27 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="pass",
         tests=("tests/data/test_template_vendors.py::test_reasoning_rows_are_labelled_by_the_rule[deepseek_v3_1]",),
     ),
+    # ---- collect ---------------------------------------------------------------------------------------------------
+    Mutant(
+        name="bucketed_batch_rows_misassigned",
+        story="collect writes a length-bucketed batch's priors to its rows in sorted order, not the batch's own order",
+        path="collect/collector.py",
+        function="collect_prior",
+        pattern=r"rows = torch\.tensor\(positions\)",
+        replacement="rows = torch.tensor(sorted(positions))",
+        tests=(
+            "tests/collect/test_collector_parity.py::test_collected_prior_matches_router_logits[qwen3_moe-softmax]",
+        ),
+    ),
+    Mutant(
+        name="sigmoid_scores_not_normalised",
+        story="the sigmoid-normalized transform returns raw sigmoid scores, not a distribution over experts",
+        path="prior.py",
+        function="router_probs",
+        pattern=r"return s / s\.sum\(dim=-1, keepdim=True\)",
+        replacement="return s",
+        tests=("tests/test_prior.py::test_sigmoid_normalized_transform_golden",),
+    ),
     # ---- retention ----------------------------------------------------------------------------------------------
     Mutant(
         name="question_span_counts_every_token",
@@ -351,7 +371,6 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r"if displacement_by_beta\[beta\] > limit:",
         replacement="if displacement_by_beta[beta] >= limit:",
         tests=("tests/calibrate/test_rule.py::test_the_rule_on_hand_cases",),
-        ci=True,
     ),
     Mutant(
         name="row_bootstrap_never_resamples_rows",
@@ -374,24 +393,42 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # ---- checkpoints, atomic writes, verification ---------------------------------------------------------------
     Mutant(
-        name="marker_written_before_the_checkpoint",
-        story="the complete marker is written when the Trainer decides to save, before the checkpoint is written",
+        name="torn_checkpoint_taken_as_complete",
+        story="complete_checkpoints lists every checkpoint-N directory, so auto resumes from one a kill left torn",
         path="checkpoints.py",
-        function="CompleteMarker.on_save",
-        pattern=r"def on_save\(self, args, state, control, \*\*kwargs\):\n(\s+)if state\.is_world_process_zero:",
-        replacement=r"def on_step_end(self, args, state, control, **kwargs):\n"
-        r"\1if state.is_world_process_zero and control.should_save:",
+        function="complete_checkpoints",
+        pattern=r"if m and d\.is_dir\(\) and \(d / MARKER\)\.is_file\(\):",
+        replacement="if m and d.is_dir():",
+        tests=("tests/test_checkpoints.py::test_killed_and_resumed_equals_uninterrupted[rpb]",),
+    ),
+    Mutant(
+        name="marker_after_the_callers_callbacks",
+        story="the complete marker runs after the caller's callbacks: one that stops the job at a save leaves the "
+        "finished checkpoint unmarked",
+        path="train.py",
+        function="run_training",
+        pattern=r"callbacks=\[JsonlLog\(out / \"log\.jsonl\"\), \*markers, \*\(callbacks or \[\]\)\]",
+        replacement='callbacks=[JsonlLog(out / "log.jsonl"), *(callbacks or []), *markers]',
         tests=("tests/test_checkpoints.py::test_killed_and_resumed_equals_uninterrupted[rpb]",),
     ),
     Mutant(
         name="directory_built_in_place",
-        story="atomic_path builds a directory under its final name: a kill leaves a half-built directory that looks done",
+        story="atomic_path builds a directory under its final name: a kill leaves a half-built one that looks done",
         path="fileio.py",
         function="atomic_path",
         pattern=r"tmp = Path\(tempfile\.mkdtemp\(prefix=f\"\.\{path\.name\}\.\", suffix=\"\.partial\", dir=where\)\)",
         replacement="tmp = path\n        tmp.mkdir(exist_ok=True)",
         tests=("tests/test_fileio.py::test_files_and_directories_land_whole_with_ordinary_permissions",),
         ci=True,
+    ),
+    Mutant(
+        name="replaced_folder_deleted_in_place",
+        story="atomic_path deletes the folder it replaces before renaming the new one in: a kill leaves neither",
+        path="fileio.py",
+        function="atomic_path",
+        pattern=r"os\.replace\(path, old\)",
+        replacement="shutil.rmtree(path)",
+        tests=("tests/test_fileio_kills.py::test_a_killed_publish_leaves_the_previous_result_or_none[retention]",),
     ),
     Mutant(
         name="temporary_left_behind_on_failure",
@@ -413,7 +450,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         name="prior_data_sha256_not_checked",
-        story="verify_prior never compares the data file's sha256, so a prior trains on another data file of equal size",
+        story="verify_prior never compares the data file's sha256, so a prior trains on another file of equal size",
         path="anchors/verify.py",
         function="verify_prior",
         pattern=r"check\(\"data_sha256\", meta\.get\(\"data_sha256\"\), run\.data_sha256\)",
@@ -428,5 +465,24 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r"off = \(sums - 1\)\.abs\(\) > ROW_SUM_TOLERANCE",
         replacement="off = torch.zeros_like(sums, dtype=torch.bool)",
         tests=("tests/test_validate.py::test_damaged_tensors_are_all_reported",),
+    ),
+    Mutant(
+        name="marker_written_before_the_checkpoint",
+        story="the complete marker is written when the Trainer decides to save, before the checkpoint is on disk",
+        path="checkpoints.py",
+        function="CompleteMarker.on_save",
+        pattern=r"def on_save\(self, args, state, control, \*\*kwargs\):\n        if state\.is_world_process_zero:",
+        replacement="def on_step_end(self, args, state, control, **kwargs):\n"
+        "        if state.is_world_process_zero and control.should_save:",
+        tests=("tests/test_checkpoints.py::test_a_kill_during_a_save_leaves_that_checkpoint_unmarked",),
+    ),
+    Mutant(
+        name="text_file_written_in_place",
+        story="write_text_atomic writes the final path directly: a write cut off half way leaves a truncated file",
+        path="fileio.py",
+        function="write_text_atomic",
+        pattern=r"with atomic_path\(path\) as tmp:\n        tmp\.write_text\(text, encoding=\"utf-8\"\)",
+        replacement='Path(path).write_text(text, encoding="utf-8")',
+        tests=("tests/test_fileio.py::test_a_text_write_cut_off_midway_leaves_the_old_file_whole",),
     ),
 )

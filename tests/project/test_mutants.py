@@ -41,3 +41,9 @@ def test_the_ci_subset_of_mutants_is_killed():
     finally:
         shutil.rmtree(scratch.parent, ignore_errors=True)
     assert outcomes and set(outcomes.values()) == {"killed"}, outcomes
+
+
+def test_docs_testing_lists_every_mutant():
+    doc = (ROOT / "docs" / "testing.md").read_text()
+    missing = [m.name for m in MUTANTS if f"`{m.name}`" not in doc]
+    assert missing == [] and f"{len(MUTANTS)} mutants" in doc
