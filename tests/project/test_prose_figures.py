@@ -133,3 +133,15 @@ def test_mutant_figure_edited_without_the_data_is_caught(page, figure, typo, mon
 
     with pytest.raises(AssertionError):
         (test_the_headline_tables_in_docs_toyworld_are_the_shipped_reports if page == "TOYWORLD" else readme)()
+
+
+def test_the_headline_sections_prose_is_the_shipped_grid():
+    """The cell count and the weight each base's selection chose, as docs/toyworld.md states them."""
+    import json
+
+    shipped = ROOT / "docs" / "results" / "headline"
+    chosen = [json.loads((shipped / f"base{b}" / "selection.json").read_text())["chosen"]["lbl"] for b in range(3)]
+    cells = len(list(shipped.glob("base*/runs/*/*/seed*/result.json")))
+    section = flat(TOYWORLD.split("## The headline grid: three bases", 1)[1].split("####", 1)[0])
+    assert f"{cells} cells" in section
+    assert ", ".join(f"{w} on base {b}" for b, w in enumerate(chosen)) in section
