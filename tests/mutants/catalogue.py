@@ -485,4 +485,22 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement='Path(path).write_text(text, encoding="utf-8")',
         tests=("tests/test_fileio.py::test_a_text_write_cut_off_midway_leaves_the_old_file_whole",),
     ),
+    Mutant(
+        name="monitor_kl_reversed",
+        story="the routing monitor reports KL(current ‖ base) where it promises KL(base ‖ current)",
+        path="monitor/routing.py",
+        function="RoutingMonitor._observe",
+        pattern=r"kl = \(p_base \* \(p_base\.clamp_min\(1e-30\)\.log\(\) - p_now\.clamp_min\(1e-30\)\.log\(\)\)\)",
+        replacement="kl = (p_now * (p_now.clamp_min(1e-30).log() - p_base.clamp_min(1e-30).log()))",
+        tests=("tests/monitor/test_routing.py::test_figures_equal_the_hand_computation_on_moved_routers",),
+    ),
+    Mutant(
+        name="monitor_counts_prompt_tokens",
+        story="the routing monitor ignores the labels: prompt tokens (labels -100) count as loss tokens",
+        path="monitor/routing.py",
+        function="RoutingMonitor._observe",
+        pattern=r"if self\._mask_T is not None and",
+        replacement="if False and",
+        tests=("tests/monitor/test_routing.py::test_figures_equal_the_hand_computation_on_moved_routers",),
+    ),
 )

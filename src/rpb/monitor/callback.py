@@ -1,0 +1,53 @@
+"""The routing monitor as a ``transformers.TrainerCallback`` (HF Trainer, TRL and what is built on them).
+
+Callbacks a user adds run after the Trainer's own, whose logging callbacks (TensorBoard, W&B, ...) have then
+already written the step's logs; ``attach_monitor`` puts this one first, so the figures it adds to the
+``logs`` mapping reach every ``report_to`` integration.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import TrainerCallback
+
+from rpb.monitor.routing import MonitorConfig, RoutingMonitor
+
+logger = logging.getLogger("rpb.monitor")
+
+
+class RoutingMonitorCallback(TrainerCallback):
+    def __init__(self, config: MonitorConfig | None = None, adapter: str | None = None):
+        self.config = config or MonitorConfig()
+        self.adapter = adapter
+        self.monitor: RoutingMonitor | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.monitor is None:  # the base's routers: frozen before the first step changes them
+            self.monitor = RoutingMonitor(model, self.config, self.adapter).attach()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.active = state.global_step % self.config.every_n_steps == 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.monitor is None or logs is None or "loss" not in logs:  # training logs only, not eval's
+            return
+        figures = self.monitor.flush()
+        logs.update(figures)
+        for alarm in self.monitor.alarms(figures):
+            logger.warning("rpb routing alarm at step %d: %s", state.global_step, alarm)
+            logs["routing/alarm"] = logs.get("routing/alarm", 0.0) + 1.0
+            if self.config.stop_on_alarm:
+                control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.remove()
+
+
+def attach_monitor(trainer, config: MonitorConfig | None = None, adapter: str | None = None) -> RoutingMonitorCallback:
+    """Add the monitor to a built Trainer, first among its callbacks; returns the callback."""
+    callback = RoutingMonitorCallback(config, adapter)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback

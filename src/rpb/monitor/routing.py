@@ -1,0 +1,213 @@
+"""The routing monitor: the base's routers frozen, the current ones compared with them token by token.
+
+Shape legend: T = tokens of one router call, H = hidden size, E = routed experts, K = top-k.
+
+Per MoE layer and logging window, over the loss tokens (``labels != -100``; every attended token when a
+forward has no labels), on the hidden states the current model feeds each router:
+
+* ``topk_overlap``: |current top-k ∩ base top-k| / k, both chosen by the family's own rule (groups and the
+  expert-correction bias included, no rpb bias: what each router itself would pick);
+* ``kl``: KL(base ‖ current) of the family's router transform (softmax; normalised sigmoid for sigmoid
+  routers), in nats;
+* ``load_cv``, ``max_share``, ``dead_fraction``, ``entropy``: the current selection's load per expert
+  (coefficient of variation, the largest share, the share of experts never chosen, and the entropy of the
+  shares over log E).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional
+
+from rpb.adapters import RouterFacts, find_moe_layers, get_adapter, router_output, router_spec
+from rpb.adapters.hf import expert_bias_of
+from rpb.prior import router_probs
+from rpb.routing import select
+
+FIGURES = ("topk_overlap", "kl", "load_cv", "max_share", "dead_fraction", "entropy")
+
+
+@dataclass
+class MonitorConfig:
+    #: observe one step in every this many (1: every step); the others run untouched
+    every_n_steps: int = 1
+    #: also log routing/layer_<i>/<figure> for every MoE layer (default: mean, min, max over layers)
+    per_layer: bool = False
+    #: alarms (None: off): a layer's overlap with the base below this ...
+    min_overlap: float | None = None
+    #: ... a layer's share of dead experts above this ...
+    max_dead_fraction: float | None = None
+    #: ... the mean KL rising by more than this from one window to the next
+    max_kl_jump: float | None = None
+    #: an alarm stops training (the Trainer's ``should_training_stop``); otherwise it warns and logs
+    stop_on_alarm: bool = False
+
+
+@dataclass
+class _Window:
+    tokens: torch.Tensor  # [L] float64
+    overlap: torch.Tensor  # [L]
+    kl: torch.Tensor  # [L]
+    counts_LE: torch.Tensor  # [L, E]
+
+
+@dataclass
+class RoutingMonitor:
+    """Attach to a model whose routers are still the base's; ``flush()`` returns the window's figures."""
+
+    model: torch.nn.Module
+    config: MonitorConfig = field(default_factory=MonitorConfig)
+    adapter: str | None = None
+
+    def __post_init__(self):
+        self.facts: RouterFacts = get_adapter(self.adapter or self.model.config.model_type)
+        self.layers = find_moe_layers(self.model, self.facts)
+        self.base = [self._frozen(m) for m in self.layers]
+        self.transform = "sigmoid-normalized" if self.facts.score_function == "sigmoid" else "softmax"
+        self.active = True
+        self._mask_T: torch.Tensor | None = None
+        self._hooks: list = []
+        self._last_kl: float | None = None
+        self._reset()
+
+    def _frozen(self, layer) -> dict:
+        """The base router's weight, its own bias and the expert-correction bias, copied (never trained)."""
+        router = layer.router
+        bias = getattr(router, self.facts.router_bias) if self.facts.router_bias else None
+        expert = expert_bias_of(layer, self.facts)
+        return {
+            "weight": router.weight.detach().clone(),
+            "bias": None if bias is None else bias.detach().clone(),
+            "expert_bias": None if expert is None else expert.detach().clone(),
+            "spec": router_spec(router, self.facts),
+        }
+
+    def _reset(self) -> None:
+        L, E = len(self.layers), self.base[0]["weight"].shape[0]
+        zeros = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+        self.window = _Window(zeros(L), zeros(L), zeros(L), zeros(L, E))
+
+    # ---- hooks ---------------------------------------------------------------------------------------
+    def attach(self) -> RoutingMonitor:
+        if self._hooks:
+            return self
+        self._hooks.append(self.model.register_forward_pre_hook(self._read_mask, with_kwargs=True))
+        for pos, layer in enumerate(self.layers):
+            self._hooks.append(layer.router.register_forward_hook(self._observer(pos)))
+        return self
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _read_mask(self, module, args, kwargs):
+        labels, attention = kwargs.get("labels"), kwargs.get("attention_mask")
+        if labels is not None:
+            self._mask_T = (labels != -100).reshape(-1)
+        elif attention is not None and attention.dim() == 2:
+            self._mask_T = attention.bool().reshape(-1)
+        else:
+            self._mask_T = None
+
+    def _observer(self, pos: int):
+        def hook(router, args, output):
+            if self.active:
+                with torch.no_grad():
+                    self._observe(pos, args[0], output)
+
+        return hook
+
+    def _observe(self, pos: int, hidden, output) -> None:
+        layer, base = self.layers[pos], self.base[pos]
+        logits_TE, _, _ = router_output(layer, output)
+        h_TH = hidden.reshape(-1, hidden.shape[-1])
+        if self._mask_T is not None and self._mask_T.numel() == h_TH.shape[0]:
+            keep = self._mask_T.to(h_TH.device)
+            h_TH, logits_TE = h_TH[keep], logits_TE.reshape(-1, logits_TE.shape[-1])[keep]
+        logits_TE = logits_TE.reshape(-1, logits_TE.shape[-1]).float()
+        if h_TH.shape[0] == 0:
+            return
+        base_TE = functional.linear(h_TH.float(), base["weight"].float().to(h_TH.device),
+                           None if base["bias"] is None else base["bias"].float().to(h_TH.device))  # fmt: skip
+        spec = base["spec"]
+        expert_now = expert_bias_of(layer, self.facts)
+        ids_now_TK = select(logits_TE, spec, None, expert_now)
+        ids_base_TK = select(base_TE, spec, None, base["expert_bias"])
+        hits = (ids_now_TK.unsqueeze(-1) == ids_base_TK.unsqueeze(-2)).any(-1).sum()
+        p_base, p_now = router_probs(base_TE, self.transform).double(), router_probs(logits_TE, self.transform).double()
+        kl = (p_base * (p_base.clamp_min(1e-30).log() - p_now.clamp_min(1e-30).log())).sum()
+        w = self.window
+        w.tokens[pos] += h_TH.shape[0]
+        w.overlap[pos] += float(hits) / spec.top_k
+        w.kl[pos] += float(kl)
+        w.counts_LE[pos] += torch.bincount(ids_now_TK.reshape(-1).cpu(), minlength=spec.num_experts).double()
+
+    # ---- figures -------------------------------------------------------------------------------------
+    def flush(self) -> dict[str, float]:
+        """The window's figures (summed over ranks first), as ``routing/...`` keys; the window restarts."""
+        w = self.window
+        flat = torch.cat([w.tokens, w.overlap, w.kl, w.counts_LE.reshape(-1)])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            flat = flat.to("cuda" if torch.cuda.is_available() else "cpu")
+            torch.distributed.all_reduce(flat)
+            flat = flat.cpu()
+        L, E = w.counts_LE.shape
+        tokens, overlap, kl, counts_LE = flat[:L], flat[L : 2 * L], flat[2 * L : 3 * L], flat[3 * L :].view(L, E)
+        self._reset()
+        seen = tokens > 0
+        if not seen.any():
+            return {}
+        per_layer = layer_figures(tokens[seen], overlap[seen], kl[seen], counts_LE[seen])
+        indices = [m.layer_index for m, s in zip(self.layers, seen.tolist(), strict=True) if s]
+        out = {}
+        for name, values in per_layer.items():
+            out[f"routing/mean/{name}"] = float(values.mean())
+            out[f"routing/min/{name}"] = float(values.min())
+            out[f"routing/max/{name}"] = float(values.max())
+            if self.config.per_layer:
+                out |= {f"routing/layer_{i}/{name}": float(v) for i, v in zip(indices, values.tolist(), strict=True)}
+        return out
+
+    def alarms(self, figures: dict[str, float]) -> list[str]:
+        """The configured thresholds these figures cross, each as a sentence."""
+        c, out = self.config, []
+        if c.min_overlap is not None and figures.get("routing/min/topk_overlap", 1.0) < c.min_overlap:
+            out.append(f"a layer's top-k overlap with the base fell to {figures['routing/min/topk_overlap']:.3f} "
+                       f"(alarm below {c.min_overlap})")  # fmt: skip
+        if c.max_dead_fraction is not None and figures.get("routing/max/dead_fraction", 0.0) > c.max_dead_fraction:
+            out.append(f"a layer left {figures['routing/max/dead_fraction']:.3f} of its experts unused "
+                       f"(alarm above {c.max_dead_fraction})")  # fmt: skip
+        kl = figures.get("routing/mean/kl")
+        if (
+            c.max_kl_jump is not None
+            and kl is not None
+            and self._last_kl is not None
+            and kl - self._last_kl > c.max_kl_jump
+        ):
+            out.append(
+                f"the mean KL from the base jumped {kl - self._last_kl:.4f} in one window (alarm above {c.max_kl_jump})"
+            )
+        if kl is not None:
+            self._last_kl = kl
+        return out
+
+
+def layer_figures(tokens_L, overlap_L, kl_L, counts_LE) -> dict[str, torch.Tensor]:
+    """Each figure per layer, from a window's sums (see the module doc)."""
+    E = counts_LE.shape[1]
+    total_L = counts_LE.sum(-1)
+    shares_LE = counts_LE / total_L.unsqueeze(-1)
+    mean_L = counts_LE.mean(-1)
+    entropy_L = -(shares_LE * shares_LE.clamp_min(1e-300).log()).sum(-1) / math.log(E)
+    return {
+        "topk_overlap": overlap_L / tokens_L,
+        "kl": kl_L / tokens_L,
+        "load_cv": counts_LE.std(-1, unbiased=False) / mean_L,
+        "max_share": shares_LE.max(-1).values,
+        "dead_fraction": (counts_LE == 0).double().mean(-1),
+        "entropy": entropy_L,
+    }

@@ -1,0 +1,99 @@
+"""The monitor inside a plain ``transformers.Trainer`` run (no rpb anchor): the bounded set of figures reaches
+TensorBoard (read back from the event files), and an alarm fires on a run built to collapse a layer."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from rpb.adapters import find_moe_layers, get_adapter
+from rpb.monitor import FIGURES, MonitorConfig, attach_monitor
+from rpb.testing.models import build_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, n=16, width=10, vocab=64):
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, vocab, (n, width), generator=gen)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[:3] = -100
+        return {"input_ids": self.ids[i], "labels": labels, "attention_mask": torch.ones_like(self.ids[i])}
+
+
+def trainer(tmp_path, steps, callbacks=(), report_to=("tensorboard",), monkeypatch=None):
+    if monkeypatch is not None:
+        monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    model = build_tiny_model("qwen3_moe", vocab_size=64).train()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, logging_steps=1,
+                             learning_rate=5e-2, report_to=list(report_to), save_strategy="no", use_cpu=True,
+                             disable_tqdm=True)  # fmt: skip
+    return Trainer(model=model, args=args, train_dataset=Rows(), callbacks=list(callbacks))
+
+
+def test_a_plain_trainer_logs_the_bounded_set_to_tensorboard(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = trainer(tmp_path, 3, monkeypatch=monkeypatch)
+    attach_monitor(t)
+    t.train()
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {f"train/routing/{agg}/{name}" for agg in ("mean", "min", "max") for name in FIGURES}
+    assert expected <= tags and not any("/layer_" in tag for tag in tags)  # bounded: no per-layer series
+    overlap = [e.value for e in events.Scalars("train/routing/mean/topk_overlap")]
+    kl = [e.value for e in events.Scalars("train/routing/mean/kl")]
+    assert len(overlap) == 3 and overlap[0] == 1.0 and kl[0] == pytest.approx(0.0, abs=1e-7)  # step 1: the base
+    assert kl[-1] > 0  # the routers trained away from the base
+
+
+class Collapse(TrainerCallback):
+    """After step 1, every router of the first MoE layer sends every token to experts 0 and 1."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 1:
+            router = find_moe_layers(model, get_adapter("qwen3_moe"))[0].router
+            collapse_hook(router)
+
+
+def collapse_hook(router):
+    def forward_hook(module, args, output):
+        logits, gates, ids = output
+        forced = torch.full_like(logits, -30.0)
+        forced[:, :2] = 30.0
+        return forced, gates, torch.tensor([[0, 1]]).expand_as(ids)
+
+    router.register_forward_hook(forward_hook, prepend=True)  # the output every later hook (and the block) sees
+
+
+class Keep(TrainerCallback):
+    """What the logging integrations receive (they run after the monitor, as this does)."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in logs:
+            self.logs.append(dict(logs))
+
+
+def test_an_alarm_fires_on_a_collapsing_layer_and_stops_training(tmp_path, caplog):
+    keep = Keep()
+    t = trainer(tmp_path, 4, callbacks=[Collapse(), keep], report_to=())
+    attach_monitor(t, MonitorConfig(max_dead_fraction=0.7, stop_on_alarm=True))
+    with caplog.at_level(logging.WARNING, logger="rpb.monitor"):
+        t.train()
+    logs = keep.logs
+    assert logs[0]["routing/max/dead_fraction"] < 0.7 and "routing/alarm" not in logs[0]
+    assert logs[1]["routing/max/dead_fraction"] == 0.75 and logs[1]["routing/alarm"] == 1.0  # 6 of 8 unused
+    assert t.state.global_step == 2  # stopped at the alarm
+    assert "left 0.750 of its experts unused (alarm above 0.7)" in caplog.text
