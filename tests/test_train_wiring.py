@@ -5,7 +5,8 @@ companion beside it that patches a realistic bug in and shows the check then fai
   detached), and a large coefficient moves the term's own target against ``sft``;
 - gradient accumulation: two micro-batches of 2 rows give the gradient of one batch of 4;
 - packing gives the unpacked gradient;
-- a checkpoint whose config turns the native load-balancing loss on trains as one without it;
+- a checkpoint whose config turns the native load-balancing loss on trains as one without it (and
+  ``rpb audit`` says so, and catches the same mutant);
 - evaluation through the Trainer never sees the anchor.
 
 Every row of the data has the same length (a character tokenizer, two-digit sums), so micro-batches
@@ -30,6 +31,7 @@ from rpb.anchors import AnchorHandle
 from rpb.collect import collect
 from rpb.config import load_config
 from rpb.data import AnchorCollator
+from rpb.monitor.run import run_audit
 from rpb.testing.data import write_jsonl
 from rpb.train import AnchorTrainer, AnchorTrainerMixin, prepare_run, run_training
 from tests.conftest import qa
@@ -225,8 +227,16 @@ def aux_runs(setup, native_aux, tmp_path_factory):
     return [train(s, tmp / name, "sft", every_parameter=True) for name, s in (("plain", setup), ("aux", native_aux))]
 
 
-def test_a_checkpoint_with_the_native_aux_loss_on_trains_without_it(aux_runs):
+def audit_sft(setup, tmp_path) -> list[str]:
+    """``rpb audit``'s contradictions for ``sft`` on ``setup``: the same check, run as a user would."""
+    model, data, prior, _ = setup
+    return run_audit(None, [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"output_dir={tmp_path}",
+                            "anchor.method=sft", "train.batch_size=4"]).contradictions  # fmt: skip
+
+
+def test_a_checkpoint_with_the_native_aux_loss_on_trains_without_it(aux_runs, native_aux, tmp_path):
     check_no_native_aux_loss(*aux_runs)
+    assert audit_sft(native_aux, tmp_path) == []
 
 
 def test_mutant_native_aux_loss_left_on_is_caught(aux_runs, native_aux, tmp_path, monkeypatch):
@@ -242,6 +252,8 @@ def test_mutant_native_aux_loss_left_on_is_caught(aux_runs, native_aux, tmp_path
     aux = train(native_aux, tmp_path, "sft", every_parameter=True)
     with pytest.raises(AssertionError, match="logged loss"):
         check_no_native_aux_loss(aux_runs[0], aux)
+    (found,) = audit_sft(native_aux, tmp_path / "audit")
+    assert found.startswith("no native load-balancing loss asked, but the model's own is in the loss")
 
 
 # ---- evaluation through the Trainer -------------------------------------------------------------------------

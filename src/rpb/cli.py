@@ -1,8 +1,9 @@
-"""``rpb``: collect | validate | calibrate | render | train | retention | demo | experiment | megatron-check.
+"""``rpb``: collect | validate | calibrate | render | train | audit | retention | demo | experiment | megatron-check.
 
 Thin: parses arguments, calls the library. A problem with the input (any ``rpb.errors.RpbError``:
 bad rows, a bad configuration, a prior of another run, an unsupported model, a bad argument)
-prints its message and exits 2; anything else is a bug and exits 1 with its traceback.
+prints its message and exits 2; anything else is a bug and exits 1 with its traceback; ``rpb audit`` exits 3
+when the set-up contradicts what it asks.
 ``--debug`` prints the traceback in both cases.
 """
 
@@ -170,6 +171,14 @@ def _train(args) -> int:
     return 0
 
 
+def _audit(args) -> int:
+    from rpb.monitor.run import run_audit
+
+    report = run_audit(args.config, args.overrides, rows=args.rows, out=args.report)
+    print(report.table())
+    return 3 if report.contradictions else 0
+
+
 def _megatron_check(args) -> int:
     from rpb.integrations.megatron.config import load_megatron_config
     from rpb.integrations.megatron.versions import describe, installed_versions, version_warnings
@@ -264,6 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=_train)
 
+    a = add("audit", help="two training steps of an rpb train config: what they really do to the routers")
+    a.add_argument("--config", required=True, help="the rpb train YAML")
+    a.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, as for rpb train")
+    a.add_argument("--rows", type=int, default=4, help="rows of the data file the two steps train on")
+    a.add_argument("--report", help="also write the report as JSON here (nothing else is written)")
+    a.set_defaults(func=_audit)
+
     r = add("retention", help="how much of the base routing a post-trained model kept (bias-free)")
     r.add_argument("--base", required=True, help="base checkpoint")
     r.add_argument("--post", help="post-trained checkpoint (omit to describe the base alone)")
@@ -314,14 +330,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: the commands that take key=value overrides
+OVERRIDES = ("train", "audit", "megatron-check")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may come before or after options (key=value, never starting with "-")
-    stray = [a for a in extra if a.startswith("-") or "=" not in a or args.command not in ("train", "megatron-check")]
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or args.command not in OVERRIDES]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    if args.command in ("train", "megatron-check"):
+    if args.command in OVERRIDES:
         args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)

@@ -110,6 +110,8 @@ TESTED_THROUGH: dict[str, tuple[str, ...]] = {
     "data/tokens.py": ("data/test_template.py",),
     "errors.py": ("test_models.py", "adapters/test_hf.py"),
     "integrations/megatron/install.py": ("integrations/megatron/test_router.py",),
+    "monitor/run.py": ("test_train_wiring.py",),
+    "monitor/verdict.py": ("monitor/test_audit.py",),
     "retention/markdown.py": ("retention/test_plots.py",),
     "retention/stats.py": ("retention/test_run.py",),
     "retention/trace.py": ("adapters/test_hf.py",),
