@@ -1,9 +1,12 @@
 """Run by tests/test_distributed.py under torchrun: install an anchor, shard with FSDP2, one step.
 
 Rank 0 writes the loss, the anchor term and the full router gradients to OUT; then every
-rank leaves with os._exit, because gloo's teardown can abort a finished process.
+rank leaves with os._exit, because gloo's teardown can abort a finished process. With the method
+``monitor``: the routing monitor built on the sharded model, the routers moved, one forward of each
+rank's rows; rank 0 writes the figures (JSON).
 """
 
+import json
 import os
 import sys
 
@@ -33,7 +36,46 @@ def perturb_routers(model):
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
 
 
+def moved_routers(model, sharded: bool):
+    """The routers moved by a fixed amount, whether their parameters are sharded (DTensors) or whole."""
+    from torch.distributed.tensor import distribute_tensor
+
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                noise = torch.randn(p.shape, generator=g) * 0.5
+                p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if sharded else noise)
+
+
+def monitor_main(out_path: str):
+    from rpb.monitor import RoutingMonitor
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_tiny_model("moonlight", 107).train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    monitor = RoutingMonitor(model).attach()  # as the Trainer's callback does: after the model is wrapped
+    moved_routers(model, sharded=True)
+    ids, _, span = batch()
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    labels = torch.where(span[rows] == 1, ids[rows], -100)
+    with torch.no_grad():
+        model(input_ids=ids[rows], labels=labels)
+    figures = monitor.flush()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(figures, f)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main(method: str, out_path: str):
+    if method == "monitor":
+        monitor_main(out_path)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_tiny_model("moonlight", 107).train()

@@ -14,7 +14,7 @@ from rpb.anchors import AnchorConfig, install_anchor
 from rpb.collect import collect
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import build_tiny_model
-from tests.fsdp_worker import batch, perturb_routers
+from tests.fsdp_worker import batch, moved_routers, perturb_routers
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
@@ -84,3 +84,23 @@ def test_fsdp2_sharded_install_matches_unsharded(method, tmp_path):
         torch.testing.assert_close(sharded[n], g, atol=1e-5, rtol=0)
     if method == "kl-to-base":
         assert float(sharded["loss"][1]) > 0  # the base copies were used while the weights were sharded
+
+
+def test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks(tmp_path):
+    """Built after sharding (as the Trainer's callback is), the monitor's base copy is the whole router, and its
+    figures over two ranks' rows equal one process's over all four."""
+    from rpb.monitor import RoutingMonitor
+
+    out = tmp_path / "figures.json"
+    run([*TORCHRUN, str(Path(__file__).with_name("fsdp_worker.py")), "monitor", str(out)])
+    sharded = json.loads(out.read_text())
+    model = build_tiny_model("moonlight", 107).train()
+    monitor = RoutingMonitor(model).attach()
+    moved_routers(model, sharded=False)
+    ids, _, span = batch()
+    with torch.no_grad():
+        model(input_ids=ids, labels=torch.where(span == 1, ids, -100))
+    whole = monitor.flush()
+    assert whole["routing/min/topk_overlap"] < 1 and whole["routing/mean/kl"] > 0  # the routers did move
+    assert sharded.keys() == whole.keys()
+    assert all(sharded[k] == pytest.approx(whole[k], abs=1e-6) for k in whole), (sharded, whole)

@@ -97,3 +97,37 @@ def test_an_alarm_fires_on_a_collapsing_layer_and_stops_training(tmp_path, caplo
     assert logs[1]["routing/max/dead_fraction"] == 0.75 and logs[1]["routing/alarm"] == 1.0  # 6 of 8 unused
     assert t.state.global_step == 2  # stopped at the alarm
     assert "left 0.750 of its experts unused (alarm above 0.7)" in caplog.text
+
+
+class CountHooks(TrainerCallback):
+    """The forward hooks on each router, at every step's end (while the monitor is attached)."""
+
+    def __init__(self):
+        self.counts = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.counts.append([len(m.router._forward_hooks) for m in find_moe_layers(model, get_adapter("qwen3_moe"))])
+
+
+def test_on_an_anchored_trainer_it_reads_the_anchors_taps_beside_the_anchors_own_figures(tmp_path):
+    from rpb.anchors import AnchorConfig, install_anchor
+    from rpb.train import AnchorTrainer
+    from tests.monitor.test_audit import Rows as KeyedRows
+
+    model = build_tiny_model("qwen3_moe", vocab_size=64).train()
+    handle = install_anchor(model, AnchorConfig(method="kl-to-base", lambda_=0.1))
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=1,
+                             learning_rate=5e-2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                             remove_unused_columns=False)  # fmt: skip
+    keep, hooks = Keep(), CountHooks()
+    t = AnchorTrainer(model=model, args=args, train_dataset=KeyedRows(), anchor=handle, callbacks=[keep, hooks])
+    callback = attach_monitor(t)
+    t.train()
+    assert hooks.counts == [[1, 1], [1, 1]] and callback.monitor.anchor is handle  # the anchor's hook alone
+    for logs in keep.logs:  # both sets, each from its own counters
+        assert {"routing/mean/topk_overlap", "moe/mean/base_topk_overlap_current_hidden"} <= logs.keys()
+    # at step 1 both compare the base with itself; at step 2 both see the same moved routers on the same tokens
+    # (the anchor counts every attended token, the monitor the loss tokens only: equal only at the base)
+    assert keep.logs[0]["routing/mean/topk_overlap"] == 1.0 == keep.logs[0]["moe/mean/base_topk_overlap_current_hidden"]
+    assert keep.logs[1]["routing/mean/kl"] > 0
+    handle.remove()

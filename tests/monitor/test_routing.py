@@ -75,3 +75,40 @@ def test_unmoved_routers_agree_with_the_base_exactly():
     figures = monitor.flush()
     assert figures["routing/min/topk_overlap"] == 1.0 and figures["routing/max/kl"] == pytest.approx(0.0, abs=1e-12)
     monitor.remove()
+
+
+def test_with_an_anchor_installed_the_monitor_reads_its_taps_and_keeps_its_own_window():
+    """No hook of the monitor's own on the routers; the same figures as a monitor hooking them itself; the
+    anchor's reset (at every log) leaves the monitor's window alone; eval-mode forwards are not tapped."""
+    from rpb.anchors import AnchorConfig, install_anchor
+
+    model = build_tiny_model("qwen3_moe", vocab_size=64, seed=3).train()
+    layers = find_moe_layers(model, get_adapter("qwen3_moe"))
+    E = layers[0].router.weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    prior = torch.softmax(torch.randn(2, 2, len(layers), E, generator=gen) * 3, -1)
+    handle = install_anchor(model, AnchorConfig(method="rpb", beta=4.0), prior=prior, record_stats=True)
+    tapped = RoutingMonitor(model, anchor=handle).attach()
+    assert [len(m.router._forward_hooks) for m in layers] == [1] * len(layers)  # the anchor's hook alone
+    own = RoutingMonitor(model).attach()
+    with torch.no_grad():
+        for m in layers:
+            m.router.weight.add_(torch.randn(m.router.weight.shape, generator=gen) * 0.5)
+    ids = torch.randint(1, 64, (2, 12), generator=gen)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    span = torch.where(labels == -100, -1, 1)
+    sample = torch.arange(2)[:, None].expand(2, 12)
+    with torch.no_grad(), handle.step(sample, span, torch.ones_like(ids)):
+        model(input_ids=ids, labels=labels)
+    assert handle.reset_stats()[0].changed > 0  # the anchor did change selections: the tap gave the router's own
+    tapped_figures, own_figures = tapped.flush(), own.flush()
+    assert tapped_figures["routing/min/topk_overlap"] < 1
+    assert tapped_figures == pytest.approx(own_figures, rel=1e-9)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids, labels=labels)
+    assert tapped.flush() == {}
+    tapped.remove()
+    assert handle.taps == []
+    handle.remove()

@@ -530,4 +530,24 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="if w := where(lambda a: False):",
         tests=("tests/monitor/test_audit.py::test_a_hook_moving_a_frozen_routers_expert_bias_is_caught",),
     ),
+    Mutant(
+        name="monitor_copies_the_local_shard",
+        story="under FSDP2 the routing monitor's base copy is each rank's shard of the router, not the whole router",
+        path="monitor/routing.py",
+        function="_whole",
+        pattern=r"return \(gather\(\) if callable\(gather\) else t\)\.clone\(\)",
+        replacement="return t.clone()",
+        tests=("tests/test_train_distributed.py::test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks",),
+    ),
+    Mutant(
+        name="monitor_ignores_the_anchors_taps",
+        story="with an rpb anchor installed the routing monitor hooks every router itself, a second hook per call",
+        path="monitor/routing.py",
+        function="RoutingMonitor.attach",
+        pattern=r"if self\.anchor is not None:",
+        replacement="if False:",
+        tests=(
+            "tests/monitor/test_routing.py::test_with_an_anchor_installed_the_monitor_reads_its_taps_and_keeps_its_own_window",
+        ),
+    ),
 )

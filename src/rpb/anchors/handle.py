@@ -75,6 +75,9 @@ class AnchorHandle:
     stats: dict = field(default_factory=dict)
     _hooks: list = field(default_factory=list)
     _restore: list = field(default_factory=list)
+    #: callables ``tap(pos, hidden, logits_TE, native_ids_TK)`` the hook hands each training-mode router call
+    #: (recomputations aside): observers such as ``rpb.monitor`` read the routers through the anchor's taps
+    taps: list = field(default_factory=list)
 
     # ---- step context --------------------------------------------------------------
     @contextlib.contextmanager
@@ -123,7 +126,7 @@ class AnchorHandle:
 
         def hook(module, args, output):
             ctx = self._context
-            if not (module.training or self._in_eval) or ctx is None or (idle and not self.record_stats):
+            if not (module.training or self._in_eval) or ctx is None or (idle and not (self.record_stats or self.taps)):
                 return None
             logits_TE, native_gates_TK, native_ids_TK = router_output(layer.moe, output)
             if native_ids_TK is None:
@@ -136,6 +139,9 @@ class AnchorHandle:
             # a forward recomputed during backward (checkpointing) routes alike but records nothing twice
             first_call = ("recorded", pos) not in ctx.cache
             ctx.cache[("recorded", pos)] = True
+            if first_call:
+                for tap in self.taps:
+                    tap(pos, args[0], logits_TE, native_ids_TK)
             valid_T = ctx.valid_T.to(logits_TE.device)
             term = None
             if self.method.loss is not None:

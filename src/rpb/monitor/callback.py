@@ -17,14 +17,18 @@ logger = logging.getLogger("rpb.monitor")
 
 
 class RoutingMonitorCallback(TrainerCallback):
-    def __init__(self, config: MonitorConfig | None = None, adapter: str | None = None):
+    """``anchor``: the trainer's installed rpb anchor, whose taps the monitor then reads (``attach_monitor``
+    passes it). Training-mode forwards only: an evaluation inside a logging window is not counted."""
+
+    def __init__(self, config: MonitorConfig | None = None, adapter: str | None = None, anchor=None):
         self.config = config or MonitorConfig()
         self.adapter = adapter
+        self.anchor = anchor
         self.monitor: RoutingMonitor | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.monitor is None:  # the base's routers: frozen before the first step changes them
-            self.monitor = RoutingMonitor(model, self.config, self.adapter).attach()
+            self.monitor = RoutingMonitor(model, self.config, self.adapter, self.anchor, training_only=True).attach()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.monitor is not None:
@@ -47,7 +51,8 @@ class RoutingMonitorCallback(TrainerCallback):
 
 
 def attach_monitor(trainer, config: MonitorConfig | None = None, adapter: str | None = None) -> RoutingMonitorCallback:
-    """Add the monitor to a built Trainer, first among its callbacks; returns the callback."""
-    callback = RoutingMonitorCallback(config, adapter)
+    """Add the monitor to a built Trainer, first among its callbacks (reading the routers through the trainer's
+    rpb anchor when it has one); returns the callback."""
+    callback = RoutingMonitorCallback(config, adapter, getattr(trainer, "anchor", None))
     trainer.callback_handler.callbacks.insert(0, callback)
     return callback

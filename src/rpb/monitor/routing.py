@@ -24,6 +24,8 @@ from torch.nn import functional
 
 from rpb.adapters import RouterFacts, find_moe_layers, get_adapter, router_output, router_spec
 from rpb.adapters.hf import expert_bias_of
+from rpb.anchors import AnchorHandle
+from rpb.errors import ArgumentError
 from rpb.prior import router_probs
 from rpb.routing import select
 
@@ -61,6 +63,12 @@ class RoutingMonitor:
     model: torch.nn.Module
     config: MonitorConfig = field(default_factory=MonitorConfig)
     adapter: str | None = None
+    #: an rpb anchor installed in ``model``: the monitor reads the routers through its taps (no hooks of its own
+    #: on them, the router's own selection reused) and keeps its own window (the anchor resets its counters at
+    #: every log, the monitor at every flush)
+    anchor: AnchorHandle | None = None
+    #: count training-mode forwards only (the Trainer's callback: an evaluation inside a window stays out)
+    training_only: bool = False
 
     def __post_init__(self):
         self.facts: RouterFacts = get_adapter(self.adapter or self.model.config.model_type)
@@ -74,16 +82,19 @@ class RoutingMonitor:
         self._reset()
 
     def _frozen(self, layer) -> dict:
-        """The base router's weight, its own bias and the expert-correction bias, copied (never trained)."""
+        """The base router's weight, its own bias and the expert-correction bias, copied whole (never trained)."""
         router = layer.router
         bias = getattr(router, self.facts.router_bias) if self.facts.router_bias else None
-        expert = expert_bias_of(layer, self.facts)
-        return {
-            "weight": router.weight.detach().clone(),
-            "bias": None if bias is None else bias.detach().clone(),
-            "expert_bias": None if expert is None else expert.detach().clone(),
-            "spec": router_spec(router, self.facts),
-        }
+        spec = router_spec(router, self.facts)
+        weight = _whole(router.weight)
+        if weight.dim() != 2 or weight.shape[0] != spec.num_experts:
+            raise ArgumentError(
+                f"router {layer.name}'s weight has shape {tuple(weight.shape)} here, not [experts, hidden]: it is "
+                "sharded by FSDP1 (flat parameters). Attach the monitor before wrapping, or use FSDP2 "
+                '(fsdp_config {"version": 2}), whose shards the monitor gathers'
+            )
+        return {"weight": weight, "bias": _whole(bias), "expert_bias": _whole(expert_bias_of(layer, self.facts)),
+                "spec": spec}  # fmt: skip
 
     def _reset(self) -> None:
         L, E = len(self.layers), self.base[0]["weight"].shape[0]
@@ -95,6 +106,9 @@ class RoutingMonitor:
         if self._hooks:
             return self
         self._hooks.append(self.model.register_forward_pre_hook(self._read_mask, with_kwargs=True))
+        if self.anchor is not None:
+            self.anchor.taps.append(self._tap)
+            return self
         for pos, layer in enumerate(self.layers):
             self._hooks.append(layer.router.register_forward_hook(self._observer(pos)))
         return self
@@ -103,6 +117,8 @@ class RoutingMonitor:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.anchor is not None and self._tap in self.anchor.taps:
+            self.anchor.taps.remove(self._tap)
 
     def _read_mask(self, module, args, kwargs):
         labels, attention = kwargs.get("labels"), kwargs.get("attention_mask")
@@ -115,27 +131,39 @@ class RoutingMonitor:
 
     def _observer(self, pos: int):
         def hook(router, args, output):
-            if self.active:
+            if self.active and (router.training or not self.training_only):
                 with torch.no_grad():
-                    self._observe(pos, args[0], output)
+                    logits_TE, _, _ = router_output(self.layers[pos], output)
+                    self._observe(pos, args[0], logits_TE, None)
 
         return hook
 
-    def _observe(self, pos: int, hidden, output) -> None:
+    def _tap(self, pos: int, hidden, logits_TE, native_ids_TK) -> None:
+        if self.active:  # the anchor taps training-mode forwards only
+            with torch.no_grad():
+                self._observe(pos, hidden, logits_TE, native_ids_TK)
+
+    def _observe(self, pos: int, hidden, logits_TE, ids_now_TK) -> None:
+        """One router call: ``ids_now_TK`` is the router's own selection where the caller has it (None: made
+        here by the family's rule, as the router makes it)."""
         layer, base = self.layers[pos], self.base[pos]
-        logits_TE, _, _ = router_output(layer, output)
         h_TH = hidden.reshape(-1, hidden.shape[-1])
+        logits_TE = logits_TE.reshape(-1, logits_TE.shape[-1])
+        if ids_now_TK is not None:
+            ids_now_TK = ids_now_TK.reshape(logits_TE.shape[0], -1)
         if self._mask_T is not None and self._mask_T.numel() == h_TH.shape[0]:
             keep = self._mask_T.to(h_TH.device)
-            h_TH, logits_TE = h_TH[keep], logits_TE.reshape(-1, logits_TE.shape[-1])[keep]
-        logits_TE = logits_TE.reshape(-1, logits_TE.shape[-1]).float()
+            h_TH, logits_TE = h_TH[keep], logits_TE[keep]
+            ids_now_TK = None if ids_now_TK is None else ids_now_TK[keep]
+        logits_TE = logits_TE.float()
         if h_TH.shape[0] == 0:
             return
         base_TE = functional.linear(h_TH.float(), base["weight"].float().to(h_TH.device),
                            None if base["bias"] is None else base["bias"].float().to(h_TH.device))  # fmt: skip
         spec = base["spec"]
         expert_now = expert_bias_of(layer, self.facts)
-        ids_now_TK = select(logits_TE, spec, None, expert_now)
+        if ids_now_TK is None:
+            ids_now_TK = select(logits_TE, spec, None, expert_now)
         ids_base_TK = select(base_TE, spec, None, base["expert_bias"])
         hits = (ids_now_TK.unsqueeze(-1) == ids_base_TK.unsqueeze(-2)).any(-1).sum()
         p_base, p_now = router_probs(base_TE, self.transform).double(), router_probs(logits_TE, self.transform).double()
@@ -194,6 +222,16 @@ class RoutingMonitor:
         if kl is not None:
             self._last_kl = kl
         return out
+
+
+def _whole(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A detached copy of a parameter's whole value: under FSDP2 each rank holds a shard (a DTensor), gathered
+    here (a collective: every rank builds its monitor at the same point, as the Trainer's callbacks do)."""
+    if t is None:
+        return None
+    t = t.detach()
+    gather = getattr(t, "full_tensor", None)
+    return (gather() if callable(gather) else t).clone()
 
 
 def layer_figures(tokens_L, overlap_L, kl_L, counts_LE) -> dict[str, torch.Tensor]:
