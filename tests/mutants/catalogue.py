@@ -537,7 +537,9 @@ MUTANTS: tuple[Mutant, ...] = (
         function="_whole",
         pattern=r"return \(gather\(\) if callable\(gather\) else t\)\.clone\(\)",
         replacement="return t.clone()",
-        tests=("tests/test_train_distributed.py::test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks",),
+        tests=(
+            "tests/test_train_distributed.py::test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks",
+        ),
     ),
     Mutant(
         name="monitor_ignores_the_anchors_taps",
