@@ -1,4 +1,5 @@
-"""``rpb``: collect | validate | calibrate | render | train | audit | retention | demo | experiment | megatron-check.
+"""``rpb``: collect | validate | calibrate | experts | render | train | audit | retention | demo | experiment |
+megatron-check.
 
 Thin: parses arguments, calls the library. A problem with the input (any ``rpb.errors.RpbError``:
 bad rows, a bad configuration, a prior of another run, an unsupported model, a bad argument)
@@ -171,6 +172,20 @@ def _train(args) -> int:
     return 0
 
 
+def _experts(args) -> int:
+    from rpb.experts.run import run_experts
+
+    choice = run_experts(
+        args.prior, args.out, measure=args.measure, threshold=args.threshold, top_n=args.top_n, span=args.span,
+        model=args.model, data_jsonl=args.data_jsonl, tokenizer=args.tokenizer, shared_experts=args.shared_experts,
+        non_expert_modules=args.non_expert_modules, batch_size=args.batch_size, adapter=args.adapter,
+        dtype=args.dtype, device=args.device, progress=not args.no_progress,
+    )  # fmt: skip
+    sizes = [len(ids) for ids in choice.experts.values()]
+    print(f"wrote {args.out}: {sum(sizes)} experts over {len(sizes)} MoE layers ({min(sizes)} to {max(sizes)} a layer)")
+    return 0
+
+
 def _audit(args) -> int:
     from rpb.monitor.run import run_audit
 
@@ -272,6 +287,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dry-run", action="store_true", help="validate the configuration and stop")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=_train)
+
+    e = add("experts", help="choose each MoE layer's experts from the task's routing (ESFT's gate or token measure)")
+    e.add_argument("--prior", required=True, help="the task's prior (rpb collect)")
+    e.add_argument("--out", required=True, help="the ESFT-style expert config to write (JSON)")
+    e.add_argument("--measure", default="gate", choices=["gate", "token"],
+                   help="gate: average gate score (the prior); token: token-selection ratio (a pass of "
+                   "the base)")  # fmt: skip
+    how = e.add_mutually_exclusive_group()
+    how.add_argument("--threshold", type=float, help="each layer's experts up to this cumulative share (default 0.2)")
+    how.add_argument("--top-n", type=int, help="each layer's n highest experts")
+    e.add_argument("--span", default="all", choices=["all", "question", "answer"], help="which tokens count")
+    e.add_argument("--model", help="the prior's base (measure token)")
+    e.add_argument("--data-jsonl", help="the prior's data file (measure token)")
+    e.add_argument("--tokenizer", help="default: --model")
+    e.add_argument("--shared-experts", action="store_true", help="the config says: train the shared experts too")
+    e.add_argument("--non-expert-modules", action="store_true",
+                   help="the config says: train attention, embeddings and the rest too")  # fmt: skip
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--adapter")
+    e.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    e.add_argument("--device", default="auto")
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=_experts)
 
     a = add("audit", help="two training steps of an rpb train config: what they really do to the routers")
     a.add_argument("--config", required=True, help="the rpb train YAML")

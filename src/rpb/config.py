@@ -62,6 +62,10 @@ class TrainSection:
     #: "auto": resume from the newest complete checkpoint in output_dir (none: start fresh); or a
     #: checkpoint directory; None: start fresh. The set-up must be the checkpoint's (rpb.checkpoints)
     resume_from_checkpoint: str | None = None
+    #: an ESFT-style expert config (``rpb experts``): full fine-tuning moves only the routed experts it names
+    #: (the others' gradients masked and kept out of weight decay: bit-identical after training), and the
+    #: shared experts and non-expert modules only where its flags say. With LoRA use lora.experts.from
+    only_experts: str | None = None
 
 
 @dataclass
@@ -245,6 +249,8 @@ def validate(cfg: RunConfig) -> list[str]:
     if t.lr <= 0:
         out.append(f"train.lr: must be > 0, got {t.lr}")
     out += cfg.lora.problems()
+    if cfg.train.only_experts and cfg.lora.enabled:
+        out.append("train.only_experts: full fine-tuning of chosen experts; with LoRA use lora.experts.from")
     if cfg.lora.enabled and method is not None and method.freeze_router and cfg.lora.router != "none":
         out.append(f"lora.router: {cfg.lora.router!r} trains the router, which anchor.method {method.name!r} freezes")
     return out

@@ -37,8 +37,9 @@ class LoraSection:
     dropout: float = 0.0
     #: LoRA on the attention projections
     attention: bool = True
-    #: LoRA on the routed experts' fused weights (by parameter)
-    experts: bool = True
+    #: LoRA on the routed experts' fused weights (by parameter): true (every expert), false, or
+    #: {from: experts.json} (only the experts an ESFT-style expert config names: ``rpb experts``)
+    experts: bool | dict = True
     #: the router: "none" (frozen), "full" (trained whole, PEFT modules_to_save) or "lora" (LoRA on its weight)
     router: RouterTraining = "none"
     #: after training, merge the adapters and save a plain transformers checkpoint; false: save the adapter alone
@@ -56,7 +57,15 @@ class LoraSection:
             out.append("lora: nothing to train (attention, experts and router all off)")
         if not 0 <= self.dropout < 1:
             out.append(f"lora.dropout: must be in [0, 1), got {self.dropout}")
+        chosen = self.experts if isinstance(self.experts, dict) else None
+        if chosen is not None and (set(chosen) != {"from"} or not isinstance(chosen["from"], str)):
+            out.append(f"lora.experts: true, false or {{from: <expert config JSON>}}, got {self.experts!r}")
         return out
+
+    @property
+    def experts_from(self) -> str | None:
+        """The expert config restricting LoRA to chosen experts (None: every expert, or none)."""
+        return self.experts["from"] if isinstance(self.experts, dict) else None
 
 
 def lora_config(section: LoraSection, facts: RouterFacts):
@@ -81,7 +90,12 @@ def apply_lora(model: nn.Module, section: LoraSection, facts: RouterFacts) -> nn
     """``model`` wrapped by PEFT per ``section`` (install the anchor on what this returns)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(section, facts))
+    wrapped = get_peft_model(model, lora_config(section, facts))
+    if section.experts_from is not None:
+        from rpb.experts import mask_lora_to_experts, read_choice
+
+        mask_lora_to_experts(wrapped, read_choice(section.experts_from), facts)
+    return wrapped
 
 
 def save_lora(model: nn.Module, out: str | Path, merge: bool) -> nn.Module:

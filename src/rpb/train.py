@@ -31,6 +31,7 @@ from rpb.config import RunConfig
 from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, LabelledData, file_sha256, load_labelled
 from rpb.data.reasoning import note_reasoning
 from rpb.errors import ArgumentError
+from rpb.experts.masks import ExpertMask
 from rpb.fileio import write_text_atomic
 from rpb.lora import LoraSection
 from rpb.models import load_causal_lm, load_tokenizer, pad_id_of
@@ -48,10 +49,17 @@ class AnchorTrainerMixin:
     through backward, so gradient checkpointing recomputes with the same bias.
     """
 
-    def __init__(self, *args, anchor: AnchorHandle, **kwargs):
+    def __init__(self, *args, anchor: AnchorHandle, expert_mask: ExpertMask | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.anchor = anchor
+        self.expert_mask = expert_mask
         self._anchor_terms: list[float] = []
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self.expert_mask is not None:  # weight decay kept off the experts train.only_experts leaves out
+            self.expert_mask.restrict_decay(optimizer)
+        return optimizer
 
     @staticmethod
     def _token_keys(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +163,7 @@ class PreparedRun:
     handle: AnchorHandle
     max_seq_len: int
     info: dict
+    expert_mask: ExpertMask | None = None
 
 
 def attach_anchor(
@@ -253,6 +262,12 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
     )
     note_reasoning(data.reasoning, data.template_settings)
     model = load_causal_lm(cfg.model, cfg.train.dtype)
+    expert_mask = None
+    if cfg.train.only_experts:  # before the anchor: it checks which routers can still train
+        from rpb.experts import read_choice, train_only_experts
+
+        facts = get_adapter(cfg.adapter or model.config.model_type)
+        expert_mask = train_only_experts(model, read_choice(cfg.train.only_experts), facts)
     handle, info = attach_anchor(
         model, tokenizer, data, cfg.anchor, artifact, model_id=cfg.model, prior_path=cfg.prior,
         tokenizer_id=cfg.tokenizer,
@@ -263,7 +278,7 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
         handle.model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
     dataset = ExampleDataset(data.examples, cfg.train.loss_on)
     collator = AnchorCollator(pad_id=pad_id_of(tokenizer), pack=cfg.data.packing, max_len=max_seq_len)
-    return PreparedRun(handle.model, tokenizer, dataset, collator, handle, max_seq_len, info)
+    return PreparedRun(handle.model, tokenizer, dataset, collator, handle, max_seq_len, info, expert_mask)
 
 
 @contextlib.contextmanager
@@ -379,6 +394,7 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
         train_dataset=prepared.dataset,
         data_collator=prepared.collator,
         anchor=prepared.handle,
+        expert_mask=prepared.expert_mask,
         # the marker before the caller's callbacks: a checkpoint is complete before anyone else hears of it
         callbacks=[JsonlLog(out / "log.jsonl"), *markers, *(callbacks or [])],
     )

@@ -552,4 +552,26 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/monitor/test_routing.py::test_with_an_anchor_installed_the_monitor_reads_its_taps_and_keeps_its_own_window",
         ),
     ),
+    Mutant(
+        name="expert_decay_on_every_slice",
+        story="train.only_experts masks the gradients but leaves weight decay on the whole fused parameter",
+        path="experts/masks.py",
+        function="ExpertMask.restrict_decay",
+        pattern=r"if not wd or not partial:",
+        replacement="if True:",
+        tests=(
+            "tests/experts/test_masks.py::test_only_the_chosen_experts_train_and_the_rest_stay_bit_identical[full]",
+        ),
+    ),
+    Mutant(
+        name="lora_expert_mask_on_one_factor",
+        story="LoRA on chosen experts masks lora_A's gradient only: the unchosen experts' B columns learn",
+        path="experts/masks.py",
+        function="mask_lora_to_experts",
+        pattern=r"b\.register_hook\(lambda g, m=cols: g \* m\)",
+        replacement="pass",
+        tests=(
+            "tests/experts/test_masks.py::test_only_the_chosen_experts_train_and_the_rest_stay_bit_identical[lora]",
+        ),
+    ),
 )

@@ -109,6 +109,7 @@ TESTED_THROUGH: dict[str, tuple[str, ...]] = {
     "data/errors.py": ("data/test_dataset.py", "data/test_template.py"),
     "data/tokens.py": ("data/test_template.py",),
     "errors.py": ("test_models.py", "adapters/test_hf.py"),
+    "experts/choice.py": ("experts/test_run.py",),
     "integrations/megatron/install.py": ("integrations/megatron/test_router.py",),
     "monitor/run.py": ("test_train_wiring.py",),
     "monitor/verdict.py": ("monitor/test_audit.py",),
