@@ -32,6 +32,14 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _model_options(parser) -> None:
+    """The options every command that runs a checkpoint over data takes the same way."""
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--adapter", help="the model_type whose router facts to use (default: the model's own)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    parser.add_argument("--device", default="auto")
+
+
 def _template_kwargs_option(parser, help_text: str | None = None) -> None:
     parser.add_argument(
         "--chat-template-kwargs", type=_json_object, metavar="JSON",
@@ -263,14 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, default=0, help="row sample and bootstrap seed")
     k.add_argument("--eps", type=float, default=0.05)
     k.add_argument("--c", type=float, default=5.0)
-    k.add_argument("--batch-size", type=int, default=8)
     k.add_argument("--tokenizer", help="default: --model")
     k.add_argument(
         "--trust-remote-code", action="store_true", help="allow the tokenizer's own code (never the model's)"
     )
-    k.add_argument("--adapter")
-    k.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    k.add_argument("--device", default="auto")
+    _model_options(k)
     k.add_argument("--no-progress", action="store_true")
     k.set_defaults(func=_calibrate)
 
@@ -304,10 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--shared-experts", action="store_true", help="the config says: train the shared experts too")
     e.add_argument("--non-expert-modules", action="store_true",
                    help="the config says: train attention, embeddings and the rest too")  # fmt: skip
-    e.add_argument("--batch-size", type=int, default=8)
-    e.add_argument("--adapter")
-    e.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    e.add_argument("--device", default="auto")
+    _model_options(e)
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=_experts)
 
@@ -326,12 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-rows", type=int, help="a seeded sample of this many rows (default: all)")
     r.add_argument("--seed", type=int, default=0, help="row sample and Louvain seed")
     r.add_argument("--resolution", type=float, default=1.0, help="Louvain resolution")
-    r.add_argument("--batch-size", type=int, default=8)
     r.add_argument("--max-seq-len", type=int, default=2048)
     r.add_argument("--tokenizer", help="default: --base")
-    r.add_argument("--adapter")
-    r.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    r.add_argument("--device", default="auto")
+    _model_options(r)
     r.add_argument("--transitions", action="store_true",
                    help="also the directed expert transitions of answer tokens and their communities")  # fmt: skip
     r.add_argument("--steps-by", metavar="REGEX",

@@ -38,6 +38,7 @@ import torch
 from rpb.adapters import MoELayer, find_moe_layers, get_adapter, router_output
 from rpb.adapters.hf import expert_bias_of
 from rpb.anchors import get_method
+from rpb.errors import ArgumentError
 from rpb.monitor.verdict import Asked, AuditReport, LayerAudit, contradictions, significant
 
 #: attributes holding a native load-balancing coefficient (model heads, their configs, TRL's SFTTrainer)
@@ -52,8 +53,7 @@ def asked_from_config(cfg) -> Asked:
     it out; the method as the anchor (``sft`` anchors nothing); never a native auxiliary loss."""
     method = get_method(cfg.anchor.method)
     frozen = method.freeze_router or (cfg.lora.enabled and cfg.lora.router == "none")
-    acts = method.selection is not None or method.loss is not None
-    return Asked("frozen" if frozen else "free", method.name if acts else None, native_aux=False)
+    return Asked("frozen" if frozen else "free", _anchoring(method), native_aux=False)
 
 
 def asked_from_trainer(layers: list[MoELayer], handle) -> Asked:
@@ -63,9 +63,14 @@ def asked_from_trainer(layers: list[MoELayer], handle) -> Asked:
     method = handle.method if handle is not None else None
     frozen = all(m.wrapper is None and not any(p.requires_grad for p in m.router.parameters()) for m in layers)
     if method is not None:
-        acts = method.selection is not None or method.loss is not None
-        return Asked("frozen" if frozen or method.freeze_router else "free", method.name if acts else None, False)
+        return Asked("frozen" if frozen or method.freeze_router else "free", _anchoring(method), False)
     return Asked("frozen" if frozen else "free")
+
+
+def _anchoring(method) -> str | None:
+    """The method's name where it acts on the routing (a selection or a loss term); ``sft`` and
+    ``router-freeze`` anchor nothing."""
+    return method.name if method.selection is not None or method.loss is not None else None
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
@@ -146,7 +151,7 @@ def _unwrapped(model):
 def _first_batch(trainer, rows: int) -> dict:
     data = trainer.train_dataset
     if data is None:
-        raise ValueError("the trainer has no train_dataset to audit with")
+        raise ArgumentError("the trainer has no train_dataset to audit with")
     if isinstance(data, torch.utils.data.IterableDataset):
         features = [row for _, row in zip(range(rows), data, strict=False)]
     else:
