@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: venv demo test lint mutants clean
 
-$(BIN)/rpb: pyproject.toml
+$(BIN)/rpb: pyproject.toml tests/integrations/axolotl/pins.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
@@ -19,6 +19,10 @@ $(BIN)/rpb: pyproject.toml
 	for line in $$($(BIN)/python -m rpb.integrations.megatron.versions lines); do \
 	  rm -rf $(VENV)/bridge/$$line && $(BIN)/python -m pip install --quiet --target $(VENV)/bridge/$$line \
 	    $$($(BIN)/python -m rpb.integrations.megatron.versions pip-args $$line) || exit 1; done
+	@# axolotl and the Hugging Face stack it pins exactly, in a folder of its own for the plugin's contract test,
+	@# which puts it first on PYTHONPATH in a subprocess (tests/integrations/axolotl/pins.txt, docs/training.md)
+	rm -rf $(VENV)/axolotl && $(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/axolotl \
+	  -r tests/integrations/axolotl/pins.txt
 	@touch $@
 
 venv: $(BIN)/rpb

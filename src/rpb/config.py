@@ -17,7 +17,7 @@ import yaml
 from rpb.anchors.config import AnchorConfig
 from rpb.anchors.methods import METHODS
 from rpb.data.batches import LossOn
-from rpb.errors import RpbError
+from rpb.errors import ConfigError as ConfigError  # re-exported: its home before rpb.errors
 from rpb.lora import LoraSection
 from rpb.models import DtypeName
 
@@ -90,12 +90,6 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
     lora: LoraSection = field(default_factory=LoraSection)
-
-
-class ConfigError(RpbError):
-    def __init__(self, source: str, problems: list[str]):
-        self.problems = problems
-        super().__init__(f"{source}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def _accepts(tp, value) -> bool:

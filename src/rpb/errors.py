@@ -14,3 +14,11 @@ class RpbError(ValueError):
 
 class ArgumentError(RpbError):
     """An argument (command-line option or function parameter) that rpb cannot use."""
+
+
+class ConfigError(RpbError):
+    """Every problem with a configuration (``source``: the file or object), listed at once."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.problems = problems
+        super().__init__(f"{source}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))

@@ -106,7 +106,8 @@ class AnchorTrainerMixin:
         so it is divided by the accumulation steps. The Trainer divides the returned loss by them
         itself only when the model's loss is not already normalised over the whole accumulated batch;
         when it is, the division is ours."""
-        scaled = self.loss_is_scaled_for_ga
+        # the attribute is newer than transformers 5.16 (axolotl's pin), whose Trainer applies the rule below
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or bool(self.compute_loss_func)
         return self.current_gradient_accumulation_steps if scaled else 1

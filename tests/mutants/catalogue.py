@@ -574,4 +574,30 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/experts/test_masks.py::test_only_the_chosen_experts_train_and_the_rest_stay_bit_identical[lora]",
         ),
     ),
+    Mutant(
+        name="axolotl_reentrant_default",
+        story="the axolotl plugin leaves checkpointing to axolotl, whose default is reentrant: a loss anchor's term "
+        "is cut off the graph",
+        path="integrations/axolotl/config.py",
+        function="read_axolotl_config",
+        pattern=r'cfg\["gradient_checkpointing_kwargs"\] = \{"use_reentrant": False\}',
+        replacement="pass",
+        tests=(
+            "tests/integrations/axolotl/test_plugin.py::"
+            "test_loss_anchor_gets_non_reentrant_checkpointing_and_no_native_aux_loss",
+        ),
+    ),
+    Mutant(
+        name="axolotl_keys_from_row_order",
+        story="the axolotl plugin numbers the rows by dataset position after axolotl shuffled them, not by the "
+        "JSONL row the prior is keyed by",
+        path="data/arrow.py",
+        function="as_dataset",
+        pattern=r"rows = \[train_dataset\[i\] for i in range\(len\(train_dataset\)\)\]",
+        replacement="rows = [{**train_dataset[i], 'sample_index': (i + 1) % len(train_dataset)} "
+        "for i in range(len(train_dataset))]",
+        tests=(
+            "tests/integrations/axolotl/test_plugin.py::test_per_step_selection_through_axolotl_equals_the_hand_selection",
+        ),
+    ),
 )
