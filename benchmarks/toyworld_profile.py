@@ -1,0 +1,152 @@
+"""Where a toy-world pretraining step spends its time, and what one lever on the MoE experts would save.
+
+The toy world's base (``BaseRecipe``: Moonlight-shaped, 4 layers, 64 experts of width 64, top-6, batches of 64
+pretraining conversations) takes pretraining steps exactly as ``rpb.toyworld.base.pretrain`` does (lbl anchor
+on, deterministic kernels on, AdamW, clipping), on the first batches of the real pretraining pool, under each of
+transformers' expert implementations that run on the CPU (``grouped_mm``, its default, and ``eager``); for the
+default, the operators with the most self time (torch.profiler). Then one layer's expert MLP, forward and
+backward, on the same shapes with the router's own top-6 of a random batch: transformers' per-expert loop
+against one padded batched matmul per projection (``padded_bmm``), with their largest difference.
+
+Nothing here changes the toy world; it measures. Ratios are within this run. The last line printed is one
+JSON object: ``step_s`` per implementation (median), ``encode_s`` (tokenising the pool once),
+``experts_speedup`` (loop / padded, median fwd+bwd), ``max_abs_diff``.
+
+Run: .venv/bin/python benchmarks/toyworld_profile.py [--steps 8 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch.nn import functional
+from transformers import AutoModelForCausalLM
+
+from rpb.anchors import AnchorConfig, install_anchor
+from rpb.prior import STRUCTURAL
+from rpb.testing.models import tiny_config
+from rpb.testing.tokenizers import moonlight_tokenizer
+from rpb.toyworld.base import BaseRecipe, _batch, encode_tasks, training_pool
+from rpb.train import deterministic_algorithms
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8, help="timed steps per implementation (after 2 untimed)")
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args()
+
+
+def pretraining_steps(recipe: BaseRecipe, encoded, tokenizer, impl: str, steps: int, profile: bool):
+    torch.manual_seed(recipe.seed)
+    config = tiny_config("moonlight", len(tokenizer), **recipe.model_overrides())
+    model = AutoModelForCausalLM.from_config(config, experts_implementation=impl)
+    model.train()
+    handle = install_anchor(model, AnchorConfig(method="lbl", lbl_coef=recipe.lbl_coef))
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, betas=(0.9, 0.98))
+
+    def step(i: int) -> None:
+        batch = _batch(encoded[i * recipe.batch_size : (i + 1) * recipe.batch_size], tokenizer.pad_token_id)
+        sample_BT = torch.zeros_like(batch["input_ids"])
+        with handle.step(sample_BT, torch.full_like(sample_BT, STRUCTURAL), batch["attention_mask"]):
+            loss = model(**batch).loss
+            (loss + handle.loss()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times, table = [], None
+    with deterministic_algorithms(True):
+        for i in range(2):
+            step(i)
+        for i in range(2, 2 + steps):
+            started = time.perf_counter()
+            step(i)
+            times.append(time.perf_counter() - started)
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                for i in range(2 + steps, 6 + steps):
+                    step(i)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    handle.remove()
+    return statistics.median(times), table
+
+
+def expert_mlps(recipe: BaseRecipe, tokens: int, rounds: int = 7) -> dict:
+    """One MoE layer's expert MLPs, forward + backward: the per-expert loop vs one padded bmm per projection."""
+    torch.manual_seed(0)
+    E, H, k = recipe.n_routed_experts, recipe.hidden_size, recipe.num_experts_per_tok
+    width = recipe.moe_intermediate_size
+    gate_up_EXH = torch.nn.Parameter(torch.randn(E, 2 * width, H) * 0.05)
+    down_EHI = torch.nn.Parameter(torch.randn(E, H, width) * 0.05)
+    x_TH = torch.randn(tokens, H, requires_grad=True)
+    w_TK, idx_TK = torch.sigmoid(x_TH.detach() @ torch.randn(H, E)).topk(k, dim=-1)
+
+    def loop(x_TH):  # transformers' eager experts, as written in DeepseekV3Experts.forward
+        out_TH = torch.zeros_like(x_TH)
+        mask_EKT = functional.one_hot(idx_TK, E).permute(2, 1, 0)
+        for e in range(E):
+            pos, tok = torch.where(mask_EKT[e])
+            if tok.numel():
+                gate, up = functional.linear(x_TH[tok], gate_up_EXH[e]).chunk(2, -1)
+                out_TH.index_add_(
+                    0, tok, functional.linear(functional.silu(gate) * up, down_EHI[e]) * w_TK[tok, pos, None]
+                )
+        return out_TH
+
+    def padded_bmm(x_TH):  # assignments sorted by expert, padded to the busiest expert's count
+        flat = idx_TK.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts_E = torch.bincount(flat, minlength=E)
+        expert, token = flat[order], order // k
+        slot = torch.arange(flat.numel()) - (torch.cumsum(counts_E, 0) - counts_E)[expert]
+        x_ECH = x_TH.new_zeros(E, int(counts_E.max()), H).index_put((expert, slot), x_TH[token])
+        gate, up = torch.bmm(x_ECH, gate_up_EXH.transpose(1, 2)).chunk(2, -1)
+        y_ECH = torch.bmm(functional.silu(gate) * up, down_EHI.transpose(1, 2))
+        return torch.zeros_like(x_TH).index_add(0, token, y_ECH[expert, slot] * w_TK.reshape(-1)[order][:, None])
+
+    seconds, grads = {}, {}
+    with deterministic_algorithms(True):
+        for name, fn in (("loop", loop), ("padded_bmm", padded_bmm)):
+            times = []
+            for _ in range(rounds):
+                for p in (gate_up_EXH, down_EHI, x_TH):
+                    p.grad = None
+                started = time.perf_counter()
+                out = fn(x_TH)
+                out.square().sum().backward()
+                times.append(time.perf_counter() - started)
+            seconds[name] = statistics.median(times[1:])
+            grads[name] = (out.detach(), gate_up_EXH.grad.clone(), down_EHI.grad.clone(), x_TH.grad.clone())
+    diff = max(float((a - b).abs().max()) for a, b in zip(grads["loop"], grads["padded_bmm"], strict=True))
+    return {"seconds": seconds, "speedup": seconds["loop"] / seconds["padded_bmm"], "max_abs_diff": diff}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    recipe, tokenizer = BaseRecipe(), moonlight_tokenizer()
+    started = time.perf_counter()
+    encoded = encode_tasks(tokenizer, training_pool(recipe.pool, recipe.seed, recipe.domain_params()))
+    encode_s = time.perf_counter() - started
+    steps = {}
+    for impl in ("grouped_mm", "eager"):
+        steps[impl], table = pretraining_steps(recipe, encoded, tokenizer, impl, args.steps, impl == "grouped_mm")
+        if table:
+            print(f"top operators by self CPU time, {impl} (4 steps):\n{table}")
+    width = _batch(encoded[: recipe.batch_size], 0)["input_ids"].shape[1]
+    experts = expert_mlps(recipe, recipe.batch_size * width)
+    print(json.dumps({"step_s": steps, "encode_s": encode_s, "experts_seconds": experts["seconds"],
+                      "experts_speedup": experts["speedup"], "max_abs_diff": experts["max_abs_diff"],
+                      "threads": args.threads, "batch_tokens": recipe.batch_size * width}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
