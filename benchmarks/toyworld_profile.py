@@ -1,15 +1,17 @@
-"""Where a toy-world pretraining step spends its time, and what one lever on the MoE experts would save.
+"""Where a toy-world pretraining step spends its time, and what one lever on the MoE experts does to it.
 
 The toy world's base (``BaseRecipe``: Moonlight-shaped, 4 layers, 64 experts of width 64, top-6, batches of 64
 pretraining conversations) takes pretraining steps exactly as ``rpb.toyworld.base.pretrain`` does (lbl anchor
 on, deterministic kernels on, AdamW, clipping), on the first batches of the real pretraining pool, under each of
-transformers' expert implementations that run on the CPU (``grouped_mm``, its default, and ``eager``); for the
-default, the operators with the most self time (torch.profiler). Then one layer's expert MLP, forward and
-backward, on the same shapes with the router's own top-6 of a random batch: transformers' per-expert loop
-against one padded batched matmul per projection (``padded_bmm``), with their largest difference.
+transformers' expert implementations that run on the CPU (``grouped_mm``, its default, and ``eager``) and a
+padded batched-matmul one registered here (``padded_bmm``); for the default, the operators with the most self
+time (torch.profiler); every implementation's first loss on the same weights and batch. Then one layer's expert
+MLP, forward and backward, on the same shapes with a random router's top-6: transformers' per-expert loop against
+one padded batched matmul per projection, with their largest difference.
 
 Nothing here changes the toy world; it measures. Ratios are within this run. The last line printed is one
-JSON object: ``step_s`` per implementation (median), ``encode_s`` (tokenising the pool once),
+JSON object: ``step_s`` per implementation (median), ``step_speedup`` (grouped_mm / padded_bmm), ``first_loss``,
+``encode_s`` (tokenising the pool once),
 ``experts_speedup`` (loop / padded, median fwd+bwd), ``max_abs_diff``.
 
 Run: .venv/bin/python benchmarks/toyworld_profile.py [--steps 8 --threads 2]
@@ -41,6 +43,24 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def padded_bmm_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts interface (``experts_implementation="padded_bmm"``): the fused weights of
+    DeepseekV3Experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) applied as one bmm per projection to the
+    assignments sorted by expert and padded to the busiest expert's count."""
+    E, k = self.gate_up_proj.shape[0], top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts_E = torch.bincount(flat, minlength=E)
+    expert, token = flat[order], order // k
+    slot = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts_E, 0) - counts_E)[expert]
+    x_ECH = hidden_states.new_zeros(E, int(counts_E.max()), hidden_states.shape[-1])
+    x_ECH = x_ECH.index_put((expert, slot), hidden_states[token])
+    gate, up = torch.bmm(x_ECH, self.gate_up_proj.transpose(1, 2)).chunk(2, -1)
+    y_ECH = torch.bmm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2))
+    y_SH = y_ECH[expert, slot] * top_k_weights.reshape(-1)[order][:, None].to(y_ECH.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, token, y_SH.to(hidden_states.dtype))
+
+
 def pretraining_steps(recipe: BaseRecipe, encoded, tokenizer, impl: str, steps: int, profile: bool):
     torch.manual_seed(recipe.seed)
     config = tiny_config("moonlight", len(tokenizer), **recipe.model_overrides())
@@ -58,11 +78,12 @@ def pretraining_steps(recipe: BaseRecipe, encoded, tokenizer, impl: str, steps: 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
 
     times, table = [], None
     with deterministic_algorithms(True):
-        for i in range(2):
-            step(i)
+        first_loss = step(0)  # the same weights and batch under every implementation: the losses must agree
+        step(1)
         for i in range(2, 2 + steps):
             started = time.perf_counter()
             step(i)
@@ -76,7 +97,7 @@ def pretraining_steps(recipe: BaseRecipe, encoded, tokenizer, impl: str, steps: 
                     step(i)
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     handle.remove()
-    return statistics.median(times), table
+    return statistics.median(times), table, first_loss
 
 
 def expert_mlps(recipe: BaseRecipe, tokens: int, rounds: int = 7) -> dict:
@@ -136,14 +157,20 @@ def main() -> None:
     started = time.perf_counter()
     encoded = encode_tasks(tokenizer, training_pool(recipe.pool, recipe.seed, recipe.domain_params()))
     encode_s = time.perf_counter() - started
-    steps = {}
-    for impl in ("grouped_mm", "eager"):
-        steps[impl], table = pretraining_steps(recipe, encoded, tokenizer, impl, args.steps, impl == "grouped_mm")
+    steps, losses = {}, {}
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register("padded_bmm", padded_bmm_experts_forward)
+    for impl in ("grouped_mm", "eager", "padded_bmm"):
+        steps[impl], table, losses[impl] = pretraining_steps(
+            recipe, encoded, tokenizer, impl, args.steps, impl == "grouped_mm"
+        )
         if table:
             print(f"top operators by self CPU time, {impl} (4 steps):\n{table}")
     width = _batch(encoded[: recipe.batch_size], 0)["input_ids"].shape[1]
     experts = expert_mlps(recipe, recipe.batch_size * width)
-    print(json.dumps({"step_s": steps, "encode_s": encode_s, "experts_seconds": experts["seconds"],
+    print(json.dumps({"step_s": steps, "step_speedup": steps["grouped_mm"] / steps["padded_bmm"],
+                      "first_loss": losses, "encode_s": encode_s, "experts_seconds": experts["seconds"],
                       "experts_speedup": experts["speedup"], "max_abs_diff": experts["max_abs_diff"],
                       "threads": args.threads, "batch_tokens": recipe.batch_size * width}))  # fmt: skip
 
