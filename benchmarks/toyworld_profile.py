@@ -25,7 +25,6 @@ import statistics
 import time
 
 import torch
-from torch.nn import functional
 from transformers import AutoModelForCausalLM
 
 from rpb.anchors import AnchorConfig, install_anchor
@@ -100,42 +99,27 @@ def pretraining_steps(recipe: BaseRecipe, encoded, tokenizer, impl: str, steps: 
     return statistics.median(times), table, first_loss
 
 
-def expert_mlps(recipe: BaseRecipe, tokens: int, rounds: int = 7) -> dict:
-    """One MoE layer's expert MLPs, forward + backward: the per-expert loop vs one padded bmm per projection."""
+def expert_mlps(recipe: BaseRecipe, vocab: int, tokens: int, rounds: int = 7) -> dict:
+    """One MoE layer's expert MLPs, forward + backward: transformers' own experts module run as its per-expert
+    loop (``eager``) vs ``padded_bmm_experts_forward`` on the same module, weights and routing."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
     torch.manual_seed(0)
-    E, H, k = recipe.n_routed_experts, recipe.hidden_size, recipe.num_experts_per_tok
-    width = recipe.moe_intermediate_size
-    gate_up_EXH = torch.nn.Parameter(torch.randn(E, 2 * width, H) * 0.05)
-    down_EHI = torch.nn.Parameter(torch.randn(E, H, width) * 0.05)
-    x_TH = torch.randn(tokens, H, requires_grad=True)
-    w_TK, idx_TK = torch.sigmoid(x_TH.detach() @ torch.randn(H, E)).topk(k, dim=-1)
-
-    def loop(x_TH):  # transformers' eager experts, as written in DeepseekV3Experts.forward
-        out_TH = torch.zeros_like(x_TH)
-        mask_EKT = functional.one_hot(idx_TK, E).permute(2, 1, 0)
-        for e in range(E):
-            pos, tok = torch.where(mask_EKT[e])
-            if tok.numel():
-                gate, up = functional.linear(x_TH[tok], gate_up_EXH[e]).chunk(2, -1)
-                out_TH.index_add_(
-                    0, tok, functional.linear(functional.silu(gate) * up, down_EHI[e]) * w_TK[tok, pos, None]
-                )
-        return out_TH
-
-    def padded_bmm(x_TH):  # assignments sorted by expert, padded to the busiest expert's count
-        flat = idx_TK.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts_E = torch.bincount(flat, minlength=E)
-        expert, token = flat[order], order // k
-        slot = torch.arange(flat.numel()) - (torch.cumsum(counts_E, 0) - counts_E)[expert]
-        x_ECH = x_TH.new_zeros(E, int(counts_E.max()), H).index_put((expert, slot), x_TH[token])
-        gate, up = torch.bmm(x_ECH, gate_up_EXH.transpose(1, 2)).chunk(2, -1)
-        y_ECH = torch.bmm(functional.silu(gate) * up, down_EHI.transpose(1, 2))
-        return torch.zeros_like(x_TH).index_add(0, token, y_ECH[expert, slot] * w_TK.reshape(-1)[order][:, None])
+    config = tiny_config("moonlight", vocab, **recipe.model_overrides())
+    config._experts_implementation = "eager"
+    experts = DeepseekV3Experts(config)
+    for weight in (experts.gate_up_proj, experts.down_proj):
+        torch.nn.init.normal_(weight, std=0.05)
+    x_TH = torch.randn(tokens, recipe.hidden_size, requires_grad=True)
+    router_HE = torch.randn(recipe.hidden_size, recipe.n_routed_experts)
+    w_TK, idx_TK = torch.sigmoid(x_TH.detach() @ router_HE).topk(recipe.num_experts_per_tok, dim=-1)
+    gate_up_EXH, down_EHI = experts.gate_up_proj, experts.down_proj
+    variants = {"loop": lambda x: experts(x, idx_TK, w_TK),
+                "padded_bmm": lambda x: padded_bmm_experts_forward(experts, x, idx_TK, w_TK)}  # fmt: skip
 
     seconds, grads = {}, {}
     with deterministic_algorithms(True):
-        for name, fn in (("loop", loop), ("padded_bmm", padded_bmm)):
+        for name, fn in variants.items():
             times = []
             for _ in range(rounds):
                 for p in (gate_up_EXH, down_EHI, x_TH):
@@ -168,7 +152,7 @@ def main() -> None:
         if table:
             print(f"top operators by self CPU time, {impl} (4 steps):\n{table}")
     width = _batch(encoded[: recipe.batch_size], 0)["input_ids"].shape[1]
-    experts = expert_mlps(recipe, recipe.batch_size * width)
+    experts = expert_mlps(recipe, len(tokenizer), recipe.batch_size * width)
     print(json.dumps({"step_s": steps, "step_speedup": steps["grouped_mm"] / steps["padded_bmm"],
                       "first_loss": losses, "encode_s": encode_s, "experts_seconds": experts["seconds"],
                       "experts_speedup": experts["speedup"], "max_abs_diff": experts["max_abs_diff"],

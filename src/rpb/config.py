@@ -212,6 +212,18 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     return cfg
 
 
+def anchor_problems(anchor: AnchorConfig, prior: str | None, where: str = "") -> list[str]:
+    """The anchor's own problems and its prior's (required by the method, present on disk); each key is
+    prefixed with ``where`` (the section holding ``anchor`` and ``prior``)."""
+    out = [f"{where}{p}" for p in anchor.problems()]
+    method = METHODS.get(anchor.method)  # None: anchor.problems() names it
+    if method is not None and method.needs_prior and not prior:
+        out.append(f"{where}prior: required by anchor.method {method.name!r} (collect one with `rpb collect`)")
+    if prior and not Path(prior).is_file():
+        out.append(f"{where}prior: {prior} does not exist")
+    return out
+
+
 def validate(cfg: RunConfig) -> list[str]:
     out = []
     for key in ("model", "data_jsonl", "output_dir"):
@@ -219,12 +231,8 @@ def validate(cfg: RunConfig) -> list[str]:
             out.append(f"{key}: required")
     if cfg.data_jsonl and not Path(cfg.data_jsonl).is_file():
         out.append(f"data_jsonl: {cfg.data_jsonl} does not exist")
-    out += cfg.anchor.problems()
-    method = METHODS.get(cfg.anchor.method)  # None: anchor.problems() names it
-    if method is not None and method.needs_prior and not cfg.prior:
-        out.append(f"prior: required by anchor.method {method.name!r} (collect one with `rpb collect`)")
-    if cfg.prior and not Path(cfg.prior).is_file():
-        out.append(f"prior: {cfg.prior} does not exist")
+    out += anchor_problems(cfg.anchor, cfg.prior)
+    method = METHODS.get(cfg.anchor.method)  # None: anchor_problems named it
     if not cfg.prior and cfg.train.max_seq_len is None:
         out.append("train.max_seq_len: required when there is no prior to take it from")
     t = cfg.train

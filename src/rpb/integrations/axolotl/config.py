@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from rpb.anchors.config import AnchorConfig
 from rpb.anchors.methods import METHODS
-from rpb.config import ConfigError, build_section
+from rpb.config import ConfigError, anchor_problems, build_section
 from rpb.monitor.routing import MonitorConfig
 
 #: the keys of a ``datasets:`` entry the plugin reads; axolotl's per-dataset prompt options (field_messages,
@@ -89,12 +89,7 @@ def _section(raw, problems: list[str]) -> AxolotlSection:
         section.monitor = build_section(MonitorConfig, {} if monitor is True else monitor, problems, "rpb.monitor.")
     elif monitor not in (None, False):
         problems.append(f"rpb.monitor: expected a mapping of MonitorConfig fields or true, got {monitor!r}")
-    problems += [f"rpb.{p}" for p in section.anchor.problems()]
-    method = METHODS.get(section.anchor.method)
-    if method is not None and method.needs_prior and not section.prior:
-        problems.append(f"rpb.prior: required by anchor.method {method.name!r} (collect one with `rpb collect`)")
-    if section.prior and not Path(section.prior).is_file():
-        problems.append(f"rpb.prior: {section.prior} does not exist")
+    problems += anchor_problems(section.anchor, section.prior, "rpb.")
     return section
 
 

@@ -62,6 +62,7 @@ class RpbPlugin(BasePlugin):
         self.run: AxolotlRun | None = None
         self.tokenizer = None
         self.data: LabelledData | None = None
+        self.artifact = None  # the prior, read once when the data is labelled
         self.max_seq_len: int | None = None
         self.handle: AnchorHandle | None = None
         self.info: dict = {}
@@ -78,7 +79,7 @@ class RpbPlugin(BasePlugin):
 
     def load_datasets(self, cfg, preprocess: bool = False) -> TrainDatasetMeta:
         run = self._run(cfg)
-        artifact = load_artifact(run.section.prior) if run.section.prior else None
+        self.artifact = artifact = load_artifact(run.section.prior) if run.section.prior else None
         meta = artifact.metadata if artifact is not None else {}
         self.max_seq_len = meta.get("max_seq_len") or cfg.sequence_len
         if cfg.sequence_len and cfg.sequence_len != self.max_seq_len:
@@ -98,9 +99,8 @@ class RpbPlugin(BasePlugin):
         if self.data is None:
             raise ConfigError("rpb plugin", ["the model was loaded before the plugin labelled the data: run "
                                              "through axolotl's train entry (axolotl train config.yaml)"])  # fmt: skip
-        artifact = load_artifact(run.section.prior) if run.section.prior else None
         self.handle, self.info = attach_anchor(
-            model, self.tokenizer, self.data, run.section.anchor, artifact, model_id=cfg.base_model,
+            model, self.tokenizer, self.data, run.section.anchor, self.artifact, model_id=cfg.base_model,
             prior_path=run.section.prior or "prior", tokenizer_id=cfg.tokenizer_config or cfg.base_model,
             max_seq_len=self.max_seq_len, adapter=run.section.adapter, progress=False, seed=cfg.seed or 42,
         )  # fmt: skip
@@ -128,11 +128,11 @@ class RpbPlugin(BasePlugin):
         return {"remove_unused_columns": False}
 
     def add_callbacks_post_trainer(self, cfg, trainer) -> list:
-        monitor = self._run(cfg).section.monitor
-        if monitor is not None:
+        section = self._run(cfg).section
+        if section.monitor is not None:
             from rpb.monitor import attach_monitor
 
-            attach_monitor(trainer, monitor, self._run(cfg).section.adapter)  # first among the callbacks
+            attach_monitor(trainer, section.monitor, section.adapter)  # first among the callbacks
         if trainer.args.process_index == 0 and cfg.output_dir:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
             record = {"axolotl_plugin": {"tested_axolotl": TESTED_AXOLOTL}, **self.info}
