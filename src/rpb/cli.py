@@ -149,7 +149,7 @@ def _retention(args) -> int:
 def _demo(args) -> int:
     from rpb.toyworld.demo import run_demo
 
-    return run_demo(args.out, cache_dir=args.cache_dir, progress=not args.no_progress)
+    return run_demo(args.out, cache_dir=args.cache_dir, progress=not args.no_progress, from_scratch=args.from_scratch)
 
 
 def _experiment(args) -> int:
@@ -348,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = add("demo", help="the paper's study in miniature: toy base -> prior -> sft, lbl, rpb -> table")
     d.add_argument("--out", default="rpb-demo")
     d.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")
+    d.add_argument("--from-scratch", action="store_true",
+                   help="pretrain the base here instead of taking the repository's shipped one")  # fmt: skip
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
 

@@ -66,6 +66,9 @@ class TrainSection:
     #: (the others' gradients masked and kept out of weight decay: bit-identical after training), and the
     #: shared experts and non-expert modules only where its flags say. With LoRA use lora.experts.from
     only_experts: str | None = None
+    #: transformers' kernel for the MoE experts (None: its default, grouped_mm); "rpb_sorted" is rpb's
+    #: (rpb.kernels.experts: faster on CPU, and unpacked batches' padding gets no expert work)
+    experts_implementation: str | None = None
 
 
 @dataclass
@@ -250,6 +253,11 @@ def validate(cfg: RunConfig) -> list[str]:
         out.append(f"train.max_seq_len: must be >= 2, got {t.max_seq_len}")
     if t.lr <= 0:
         out.append(f"train.lr: must be > 0, got {t.lr}")
+    if t.experts_implementation is not None:
+        from rpb.kernels import registered
+
+        if t.experts_implementation not in registered():
+            out.append(f"train.experts_implementation: {t.experts_implementation!r} is not one of {registered()}")
     out += cfg.lora.problems()
     if cfg.train.only_experts and cfg.lora.enabled:
         out.append("train.only_experts: full fine-tuning of chosen experts; with LoRA use lora.experts.from")

@@ -126,9 +126,17 @@ def load_base_model(
     return model.to(resolve_device(device)).eval(), facts
 
 
-def load_causal_lm(model_id: str, dtype: str = "float32") -> torch.nn.Module:
-    """The whole model with its LM head (for training and generation), native class, no remote code."""
+def load_causal_lm(model_id: str, dtype: str = "float32", experts_implementation: str | None = None) -> torch.nn.Module:
+    """The whole model with its LM head (for training and generation), native class, no remote code;
+    ``experts_implementation``: transformers' name for the MoE experts' kernel (None: its default;
+    ``"rpb_sorted"``: ``rpb.kernels.experts``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    kernel = {}
+    if experts_implementation is not None:
+        import rpb.kernels  # noqa: F401  (registers rpb's experts kernels with transformers)
+
+        kernel = {"experts_implementation": experts_implementation}
 
     register_model_aliases()
     with _loading(f"model {model_id!r}"):
@@ -137,7 +145,7 @@ def load_causal_lm(model_id: str, dtype: str = "float32") -> torch.nn.Module:
     _check_loadable(model_id, config, ADAPTERS.get(config.model_type), device)
     with _loading(f"model {model_id!r}"):
         return AutoModelForCausalLM.from_pretrained(
-            model_id, config=config, dtype=torch_dtype(dtype), trust_remote_code=False
+            model_id, config=config, dtype=torch_dtype(dtype), trust_remote_code=False, **kernel
         )
 
 

@@ -33,6 +33,7 @@ from rpb.data.reasoning import note_reasoning
 from rpb.errors import ArgumentError
 from rpb.experts.masks import ExpertMask
 from rpb.fileio import write_text_atomic
+from rpb.kernels import SORTED_EXPERTS, TokenMask
 from rpb.lora import LoraSection
 from rpb.models import load_causal_lm, load_tokenizer, pad_id_of
 
@@ -262,7 +263,13 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
         cfg.data_jsonl, tokenizer, max_seq_len, cfg.data.chat_template_kwargs, meta.get("chat_template_date")
     )
     note_reasoning(data.reasoning, data.template_settings)
-    model = load_causal_lm(cfg.model, cfg.train.dtype)
+    model = load_causal_lm(cfg.model, cfg.train.dtype, cfg.train.experts_implementation)
+    if cfg.train.experts_implementation == SORTED_EXPERTS and not (
+        cfg.data.packing or cfg.train.gradient_checkpointing
+    ):
+        # padding gets no expert work (packed batches carry no attention mask; a checkpointed block's
+        # recomputation runs outside the model's forward, where the mask is not set, so both compute every token)
+        TokenMask(model)
     expert_mask = None
     if cfg.train.only_experts:  # before the anchor: it checks which routers can still train
         from rpb.experts import read_choice, train_only_experts
@@ -282,6 +289,12 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
     return PreparedRun(handle.model, tokenizer, dataset, collator, handle, max_seq_len, info, expert_mask)
 
 
+#: deterministic mode's NaN fill of every new uninitialized tensor (torch's default: on). It changes no result
+#: (no kernel reads memory it has not written) and cost a quarter of a toy-world step on CPU (first touch of
+#: fresh pages, docs/performance.md); off here. benchmarks/toyworld_speed.py turns it on for the old path
+FILL_UNINITIALIZED_MEMORY = False
+
+
 @contextlib.contextmanager
 def deterministic_algorithms(enabled: bool = True):
     """Deterministic kernels for the duration of the block; the caller's setting comes back after.
@@ -298,11 +311,14 @@ def deterministic_algorithms(enabled: bool = True):
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     # cuBLAS reads it when it first starts; without it, deterministic GEMMs raise on CUDA >= 10.2
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = FILL_UNINITIALIZED_MEMORY
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def training_arguments(cfg: RunConfig, progress: bool = True) -> TrainingArguments:

@@ -99,3 +99,32 @@ def test_token_sha256_is_the_documented_bytes():
     assert e.token_sha256 == hashlib.sha256(raw).hexdigest()
     assert Example(3, [5, 258], [-1, 0]).token_sha256 != e.token_sha256  # a span id alone changes it
     assert Example(9, [5, 258], [-1, 1]).token_sha256 == e.token_sha256  # the row's tokens, not its position
+
+
+def test_a_file_labelled_once_is_not_labelled_again_unless_what_decides_its_labels_changed(
+    tmp_path, moon_tok, chatml_tok, monkeypatch
+):
+    from rpb.data import dataset
+
+    calls = []
+    label = dataset.label_row
+    monkeypatch.setattr(dataset, "label_row", lambda *a: calls.append(1) or label(*a))
+    monkeypatch.setattr(dataset, "_LABELLED", type(dataset._LABELLED)())
+    rows = [qa("What is 1 + 1?", "2"), qa("What is 2 + 3?", "5")]
+    path = write_rows(tmp_path / "a.jsonl", rows)
+    first = load_labelled(path, moon_tok, 256)
+    assert len(calls) == 2
+    again = load_labelled(path, moon_tok, 256)
+    assert len(calls) == 2 and again == first  # the same labels, not relabelled
+    copy = write_rows(tmp_path / "copy.jsonl", rows)
+    assert load_labelled(copy, moon_tok, 256).path == str(copy) and len(calls) == 2  # the same bytes elsewhere
+    for changed in (
+        lambda: load_labelled(write_rows(tmp_path / "a.jsonl", [*rows, qa("And 3 + 3?", "6")]), moon_tok, 256),
+        lambda: load_labelled(path, moon_tok, 200),  # max_seq_len
+        lambda: load_labelled(path, chatml_tok, 256),  # another tokenizer and template
+        lambda: load_labelled(path, moon_tok, 256, date="2026-01-01"),  # the day the template sees
+    ):
+        before = len(calls)
+        data = changed()
+        assert len(calls) > before and data.examples
+    assert len(dataset._LABELLED) == dataset._LABELLED_KEEP

@@ -600,4 +600,48 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/integrations/axolotl/test_plugin.py::test_per_step_selection_through_axolotl_equals_the_hand_selection",
         ),
     ),
+    # ---- kernels, the toy world's fast path, the labelled-data memo (issue 32) --------------------------------
+    Mutant(
+        name="token_mask_never_set",
+        story="the token-mask hook reads the attention mask but hands the experts nothing: padding gets expert work",
+        path="kernels/experts.py",
+        function="TokenMask._enter",
+        pattern=r"self\._tokens\.append\(_KEEP_T\.set\(keep\)\)",
+        replacement="self._tokens.append(_KEEP_T.set(None))",
+        tests=(
+            "tests/kernels/test_experts.py::test_skipping_padding_changes_no_real_token_and_no_gradient[moonlight]",
+        ),
+    ),
+    Mutant(
+        name="expert_weights_not_applied_in_backward",
+        story="the experts' backward forgets the routing weights on the output gradient: expert weights learn "
+        "as if every gate were 1",
+        path="kernels/experts.py",
+        function="_SortedExperts.backward",
+        pattern=r"dy_SH\.mul_\(ws_S\[:, None\]\)",
+        replacement="pass",
+        tests=("tests/kernels/test_experts.py::test_same_loss_logits_and_gradients_as_eager[moonlight]",),
+    ),
+    Mutant(
+        name="packed_pretraining_with_a_cache",
+        story="the packed pretraining step leaves use_cache to the config: transformers then builds a cache, "
+        "ignores the restarting positions, and packed conversations attend to each other",
+        path="toyworld/base.py",
+        function="pretraining_step",
+        pattern=r"model\(\*\*batch, use_cache=False\)",
+        replacement="model(**batch)",
+        tests=("tests/toyworld/test_base.py::test_pretraining_takes_the_same_first_step_on_both_paths",),
+    ),
+    Mutant(
+        name="labelled_memo_ignores_the_tokenizer",
+        story="the labelled-data memo is keyed by the file alone: another tokenizer gets the first one's labels",
+        path="data/dataset.py",
+        function="load_labelled",
+        pattern=r"key = \(file_sha256\(path\), tokenizer_digest\(tokenizer\),",
+        replacement="key = (file_sha256(path), 0,",
+        tests=(
+            "tests/data/test_dataset.py::"
+            "test_a_file_labelled_once_is_not_labelled_again_unless_what_decides_its_labels_changed",
+        ),
+    ),
 )

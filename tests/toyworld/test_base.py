@@ -8,8 +8,16 @@ from transformers import AutoModelForCausalLM
 
 from rpb.testing.models import tiny_config
 from rpb.testing.tokenizers import moonlight_tokenizer
-from rpb.toyworld.base import BaseRecipe, exact_match, pretrain, training_pool
-from rpb.toyworld.tasks import DOMAINS, Task
+from rpb.toyworld.base import (
+    BaseRecipe,
+    encode_tasks,
+    exact_match,
+    greedy_answers,
+    pretrain,
+    training_batch,
+    training_pool,
+)
+from rpb.toyworld.tasks import DOMAINS, Task, sample
 
 
 def test_training_pool_is_balanced_and_deterministic():
@@ -68,3 +76,68 @@ def test_exact_match_restores_the_tokenizer_and_train_mode_even_when_generation_
     with pytest.raises(RuntimeError, match="out of memory"):
         exact_match(model, tok, [Task("math", "rev 1+2=", "3")])
     assert tok.padding_side == "right" and model.training
+
+
+# ---- the fast path (rpb_sorted experts, packed rows) against the reference path ----------------------
+
+
+@pytest.fixture(scope="module")
+def two_paths():
+    """The full-size base architecture, one set of random weights, loaded on each path's kernels; 64 rows of
+    the real pretraining pool."""
+    from dataclasses import replace
+
+    tokenizer, recipe = moonlight_tokenizer(), BaseRecipe()
+    torch.manual_seed(0)
+    config = tiny_config("moonlight", len(tokenizer), **recipe.model_overrides())
+    weights = AutoModelForCausalLM.from_config(config).state_dict()
+    models = {}
+    for path in ("reference", "fast"):
+        r = replace(recipe, kernels=path)
+        kernel = {"experts_implementation": r.experts_implementation} if r.experts_implementation else {}
+        models[path] = AutoModelForCausalLM.from_config(config, **kernel)
+        models[path].load_state_dict(weights)
+    rows = encode_tasks(tokenizer, training_pool(256, seed=0, params=recipe.domain_params()))[::4]
+    return tokenizer, recipe, models, rows
+
+
+def test_fast_and_reference_paths_give_the_same_pretraining_loss(two_paths):
+    from dataclasses import replace
+
+    from rpb.anchors import AnchorConfig, install_anchor
+
+    tokenizer, recipe, models, rows = two_paths
+    losses = {}
+    for path, model in models.items():
+        model.train()
+        handle = install_anchor(model, AnchorConfig(method="lbl", lbl_coef=recipe.lbl_coef))
+        batch = training_batch(rows, tokenizer.pad_token_id, replace(recipe, kernels=path))
+        keys = batch.pop("rpb_sample_index"), batch.pop("rpb_span")
+        packed = "position_ids" in batch
+        with handle.step(*keys, batch.get("attention_mask")):
+            lm = model(**batch, use_cache=False).loss
+            losses[path] = (float(lm), float(lm + handle.loss()), packed, batch["input_ids"].numel())
+        handle.remove()
+    (lm_r, total_r, packed_r, n_r), (lm_f, total_f, packed_f, n_f) = losses["reference"], losses["fast"]
+    assert not packed_r and packed_f and n_f < 0.8 * n_r  # the fast path packs: fewer positions, same tokens
+    assert abs(lm_f - lm_r) < 1e-4 and abs(total_f - total_r) < 1e-4
+
+
+def test_pretraining_takes_the_same_first_step_on_both_paths(tmp_path):
+    from dataclasses import replace
+
+    recipe = BaseRecipe(hidden_size=32, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=16, intermediate_size=64, batch_size=16, max_steps=1,
+                        pool=64)  # fmt: skip
+    first = {k: pretrain(replace(recipe, kernels=k), tmp_path / k, progress=False, eval_per_domain=1)["final_loss"]
+             for k in ("reference", "fast")}  # fmt: skip
+    assert abs(first["fast"] - first["reference"]) < 1e-5
+
+
+def test_fast_and_reference_paths_generate_the_same_tokens(two_paths):
+    tokenizer, recipe, models, _ = two_paths
+    params = recipe.domain_params()
+    tasks = [t for d in DOMAINS for t in sample(d, 6, seed=1, split="heldout", **params.get(d, {}))]
+    answers = {path: greedy_answers(model, tokenizer, tasks, batch_size=12) for path, model in models.items()}
+    assert answers["fast"] == answers["reference"]
+    assert len(set(answers["fast"])) > 1  # not one degenerate answer everywhere

@@ -89,7 +89,7 @@ def test_score_of_a_trace_set_against_answers_scored_by_hand(monkeypatch):
 
     monkeypatch.setattr(world, "greedy_answers", answers)
     monkeypatch.setattr(world, "load_tokenizer", lambda path: None)
-    monkeypatch.setattr(world, "load_causal_lm", lambda path: None)
+    monkeypatch.setattr(world, "load_causal_lm", lambda path, **kernel: None)
     post = COT_POST
     tasks = eval_tasks("sum_trace", "test", post.eval_id, post.base.domain_params())
     n = [len(t.answer.split("\n")) for t in tasks]

@@ -1,6 +1,6 @@
 """The embedded default run (``rpb demo``, the README's main command): the paper's study in miniature.
 
-base model (cached, or pretrained in about 10 minutes on 2 CPU cores) -> post-training data
+base model (cached, the repository's shipped base 0, or pretrained here: ``--from-scratch``) -> post-training data
 (the math set) -> routing prior -> ``sft``, ``lbl``, ``rpb`` and ``rpb`` at the beta ``rpb calibrate``
 recommends, post-trained -> a table of
 ID / OOD exact match and routing retention (TVD, top-k overlap, NMI), with plots.
@@ -9,21 +9,34 @@ Everything is built locally; nothing is downloaded.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from rpb.toyworld.experiment import GRIDS, Study
-from rpb.toyworld.world import PostRecipe, base_dir
+from rpb.toyworld.world import PostRecipe, base_dir, shipped_base
 
 
-def run_demo(out_dir: str | Path = "rpb-demo", cache_dir: str | Path | None = None, progress: bool = True) -> int:
+def run_demo(
+    out_dir: str | Path = "rpb-demo", cache_dir: str | Path | None = None, progress: bool = True,
+    from_scratch: bool = False,
+) -> int:  # fmt: skip
     started = time.perf_counter()
     grid = GRIDS["demo"]
     study = Study(Path(out_dir), grid, grid.post or PostRecipe(), Path(cache_dir) if cache_dir else None, progress,
-                  keep_checkpoints=True)  # fmt: skip
+                  keep_checkpoints=True, shipped=not from_scratch)  # fmt: skip
     where = base_dir(study.post.base, study.cache_dir)
-    cached = (where / "recipe.json").is_file()
-    print(f"[1/4] base model: {'cached' if cached else 'pretraining (about 9 minutes on 2 CPU cores)'} in {where}")
+    record = json.loads((where / "recipe.json").read_text()) if (where / "recipe.json").is_file() else None
+    shipped = None if from_scratch else shipped_base(study.post.base)
+    if record is not None and (shipped is not None or "shipped" not in record):
+        how = f"cached in {where}" + (f" (a copy of the shipped {record['shipped']})" if "shipped" in record else "")
+    elif shipped is not None:
+        pin = json.loads((shipped.parent / "bases.json").read_text())[shipped.name]
+        threads = f"{pin['threads']} thread" + ("s" if pin["threads"] != 1 else "")
+        how = f"the shipped {shipped} (built on {pin['machine']}, {threads}; --from-scratch pretrains it here instead)"
+    else:
+        how = f"pretraining (about 8 minutes on 2 CPU cores) into {where}"
+    print(f"[1/4] base model: {how}")
     study.base()
     study.pin()
     post_set = study.grid.sets[0]

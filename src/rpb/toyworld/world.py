@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from rpb.anchors import AnchorConfig, get_method
 from rpb.config import DataSection, RunConfig, TrainSection
+from rpb.data import file_sha256
+from rpb.errors import RpbError
 from rpb.fileio import atomic_path
+from rpb.kernels import SORTED_EXPERTS
 from rpb.models import load_causal_lm, load_tokenizer
 from rpb.toyworld.base import BaseRecipe, default_cache_dir, greedy_answers, pretrain
 from rpb.toyworld.knowledge import FACT_TEMPLATES
@@ -44,6 +49,10 @@ from rpb.toyworld.tasks import (
 )
 
 PARTS = ("validation", "test")
+
+
+class BaseMismatchError(RpbError):
+    """A shipped base whose weights do not hash to their pin."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,14 @@ class PostRecipe:
     probe_rows: int = 256  # held-out conversations for the retention metrics
     data_seed: int = 0  # the post-training rows (the same for every method and seed)
     base: BaseRecipe = field(default_factory=BaseRecipe)
+    #: the post-training cells' kernels: "fast" packs each batch's conversations and runs rpb's experts kernel
+    #: (the same step up to float rounding; docs/performance.md), "reference" pads and runs transformers'
+    kernels: Literal["fast", "reference"] = "fast"
+
+    @property
+    def experts_implementation(self) -> str | None:
+        """transformers' experts kernel of the cells' training and scoring (None: transformers' default)."""
+        return SORTED_EXPERTS if self.kernels == "fast" else None
 
     def digest(self) -> str:
         return _digest(asdict(self))
@@ -84,19 +101,57 @@ def base_dir(recipe: BaseRecipe, cache_dir: Path | None = None) -> Path:
     return Path(cache_dir or default_cache_dir()) / "toyworld" / f"base-{_digest(asdict(recipe))}"
 
 
-def ensure_base(recipe: BaseRecipe, cache_dir: Path | None = None, progress: bool = True) -> tuple[Path, dict]:
-    """The cached base model, pretrained first when absent (about 10 minutes on 2 CPU cores).
+#: the bases shipped with the repository (bases/base<seed>/: an HF checkpoint, its tokenizer and recipe.json),
+#: each pinned by its weights' sha256 in bases/bases.json; a base's bits depend on the machine type and the
+#: thread count it was built with, so a grid goes on from another machine on the same (shipped) base
+SHIPPED_BASES = Path(__file__).resolve().parents[3] / "bases"
 
-    The build is written to a temporary directory beside the cache entry and renamed into place
-    (``rpb.fileio.atomic_path``), so an interrupted build is never mistaken for a finished one;
-    it is rebuilt from scratch next time.
+
+def shipped_base(recipe: BaseRecipe, root: Path | None = None) -> Path | None:
+    """The shipped copy of the base ``recipe`` builds, or None: the folder of ``root`` (default
+    ``SHIPPED_BASES``) pinned for this recipe; its weights must hash to the pin (else ``BaseMismatchError``)."""
+    root = SHIPPED_BASES if root is None else root
+    pins = root / "bases.json"
+    if not pins.is_file():
+        return None
+    for name, pin in json.loads(pins.read_text()).items():
+        where = root / name
+        if pin["recipe"] != json.loads(json.dumps(asdict(recipe))):
+            continue
+        got = file_sha256(where / "model.safetensors")
+        if got != pin["weights_sha256"]:
+            raise BaseMismatchError(f"{where / 'model.safetensors'}: sha256 {got}, pinned {pin['weights_sha256']} "
+                                    f"in {pins}")  # fmt: skip
+        return where
+    return None
+
+
+def ensure_base(
+    recipe: BaseRecipe, cache_dir: Path | None = None, progress: bool = True, shipped: bool = True
+) -> tuple[Path, dict]:
+    """The cached base model; when absent, the shipped one copied in (``shipped``, when the repository has one
+    for ``recipe``), else pretrained (about 8 minutes on 2 CPU cores).
+
+    Either is written to a temporary directory beside the cache entry and renamed into place
+    (``rpb.fileio.atomic_path``), so an interrupted build or copy is never mistaken for a finished one;
+    it is redone next time. A copy is checked against the pin before it is renamed into place.
     """
     out = base_dir(recipe, cache_dir)
     done = out / "recipe.json"
     if done.is_file():
-        return out, json.loads(done.read_text())
+        record = json.loads(done.read_text())
+        if shipped or "shipped" not in record:  # without shipped bases, a cached copy of one is rebuilt
+            return out, record
+    source = shipped_base(recipe) if shipped else None
     with atomic_path(out, directory=True) as partial:
-        record = pretrain(recipe, partial, progress=progress)
+        if source is None:
+            record = pretrain(recipe, partial, progress=progress)
+        else:
+            shutil.copytree(source, partial, dirs_exist_ok=True)
+            if file_sha256(partial / "model.safetensors") != file_sha256(source / "model.safetensors"):
+                raise BaseMismatchError(f"{partial}: the copy of {source} does not hash as its source")
+            record = json.loads((partial / "recipe.json").read_text()) | {"shipped": str(source)}
+            (partial / "recipe.json").write_text(json.dumps(record, indent=1))
     return out, record
 
 
@@ -177,7 +232,7 @@ def score(model_dir: str | Path, post_set: str, post: PostRecipe, part: str = "t
     """ID / OOD exact match of a checkpoint (greedy), per domain and summarised; a trace set (``TRACE_SETS``)
     is scored on its final line (``id``) and line by line (``id_lines``, the mean ``line_accuracy``)."""
     tokenizer = load_tokenizer(str(model_dir))
-    model = load_causal_lm(str(model_dir))
+    model = load_causal_lm(str(model_dir), experts_implementation=post.experts_implementation)
     params = post.base.domain_params()
     sizes = {post_set: post.eval_id} | dict.fromkeys(DOMAINS, post.eval_ood)
     per_domain, lines = {}, None
@@ -209,8 +264,9 @@ def train_cell(
             max_steps=post.max_steps, seed=seed, lr=post.lr, batch_size=post.batch_size,
             warmup_steps=post.warmup_steps, lr_scheduler=post.lr_scheduler, max_seq_len=post.max_seq_len,
             log_every=10, deterministic=True,  # a cell redone after a kill scores the same
+            experts_implementation=post.experts_implementation,
         ),
-        data=DataSection(seed=seed),
+        data=DataSection(seed=seed, packing=post.kernels == "fast"),
     )  # fmt: skip
     started = time.perf_counter()
     run_training(cfg, callbacks=[_StepBar(label or f"{method} seed {seed}", progress)])
