@@ -35,7 +35,7 @@ def run_demo(
         threads = f"{pin['threads']} thread" + ("s" if pin["threads"] != 1 else "")
         how = f"the shipped {shipped} (built on {pin['machine']}, {threads}; --from-scratch pretrains it here instead)"
     else:
-        how = f"pretraining (about 8 minutes on 2 CPU cores) into {where}"
+        how = f"pretraining (about 10 minutes on 2 CPU cores) into {where}"
     print(f"[1/4] base model: {how}")
     study.base()
     study.pin()

@@ -130,7 +130,7 @@ def ensure_base(
     recipe: BaseRecipe, cache_dir: Path | None = None, progress: bool = True, shipped: bool = True
 ) -> tuple[Path, dict]:
     """The cached base model; when absent, the shipped one copied in (``shipped``, when the repository has one
-    for ``recipe``), else pretrained (about 8 minutes on 2 CPU cores).
+    for ``recipe``), else pretrained (about 10 minutes on 2 CPU cores).
 
     Either is written to a temporary directory beside the cache entry and renamed into place
     (``rpb.fileio.atomic_path``), so an interrupted build or copy is never mistaken for a finished one;
