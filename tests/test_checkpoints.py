@@ -24,7 +24,7 @@ from rpb.config import load_config
 from rpb.testing.data import conversations, write_jsonl
 from rpb.train import AnchorTrainerMixin, run_training
 
-WORKER = Path(__file__).with_name("resume_worker.py")
+WORKER = Path(__file__).parent / "workers" / "resume_worker.py"
 # one intra-op thread here and in the killed process: the same kernels, so the same floating-point sums
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,6 +19,7 @@ from rpb.errors import ArgumentError
 from rpb.testing.data import conversations, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "kill_worker.py"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -45,7 +46,7 @@ def test_a_killed_publish_leaves_the_previous_result_or_none(command, save_tiny,
     previous = snapshot(out)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
     for point, expected in (("before-publish", previous), ("mid-swap", None)):
-        killed = subprocess.run([sys.executable, str(ROOT / "tests" / "kill_worker.py"), point, str(out), *second],
+        killed = subprocess.run([sys.executable, str(WORKER), point, str(out), *second],
                                 env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
         assert killed.returncode == -9, killed.stderr[-2000:]
         assert snapshot(out) == expected, point  # the previous result whole, or no folder

@@ -14,9 +14,10 @@ from rpb.anchors import AnchorConfig, install_anchor
 from rpb.collect import collect
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import build_tiny_model
-from tests.fsdp_worker import batch, moved_routers, perturb_routers
+from tests.workers.fsdp_worker import batch, moved_routers, perturb_routers
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+FSDP_WORKER = Path(__file__).parent / "workers" / "fsdp_worker.py"
 
 
 def run(cmd, **kw):
@@ -59,7 +60,7 @@ def test_two_processes_match_one(method, sharding, save_tiny, tmp_path):
 @pytest.mark.parametrize("method", ["rpb", "kl-to-base"])
 def test_fsdp2_sharded_install_matches_unsharded(method, tmp_path):
     out = tmp_path / "fsdp.safetensors"
-    run([*TORCHRUN, str(Path(__file__).with_name("fsdp_worker.py")), method, str(out)])
+    run([*TORCHRUN, str(FSDP_WORKER), method, str(out)])
     sharded = load_file(out)
     # the same step without sharding, in this process
     model = build_tiny_model("moonlight", 107).train()
@@ -92,7 +93,7 @@ def test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks(tmp_
     from rpb.monitor import RoutingMonitor
 
     out = tmp_path / "figures.json"
-    run([*TORCHRUN, str(Path(__file__).with_name("fsdp_worker.py")), "monitor", str(out)])
+    run([*TORCHRUN, str(FSDP_WORKER), "monitor", str(out)])
     sharded = json.loads(out.read_text())
     model = build_tiny_model("moonlight", 107).train()
     monitor = RoutingMonitor(model).attach()

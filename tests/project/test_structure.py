@@ -96,6 +96,27 @@ def test_tests_mirror_src():
     assert orphans == []
 
 
+def scripts_run_by_path() -> set[Path]:
+    """Files under tests/ that a test names by file name ("x.py" in its source), to run as a process."""
+    named = set()
+    for test in TESTS.rglob("*.py"):
+        for node in ast.walk(ast.parse(test.read_text(), filename=str(test))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith(".py"):
+                named.add(Path(node.value).name)
+    return {p for p in TESTS.rglob("*.py") if p.name in named and not p.name.startswith(("test_", "conftest", "__"))}
+
+
+def test_a_script_run_by_path_shares_its_folder_with_no_package():
+    """``python folder/x.py`` puts folder/ first on sys.path, so a package beside x.py shadows any installed
+    one of its name: tests/kernels (mirroring rpb.kernels) hid Hugging Face's kernels from transformers in
+    the workers that once sat in tests/."""
+    scripts = scripts_run_by_path()
+    assert {"resume_worker.py", "kill_worker.py", "fsdp_worker.py"} <= {p.name for p in scripts}
+    crowded = [f"{s.relative_to(TESTS)} beside {d.name}/" for s in scripts for d in s.parent.iterdir()
+               if (d / "__init__.py").is_file()]  # fmt: skip
+    assert crowded == []
+
+
 #: Modules without a test file of their own (tests/<package>/test_<stem>.py or test_<stem>_*.py), each
 #: with the test files that import it (read with ast; a name its package re-exports from it counts).
 #: An entry no longer needed (the module got its own test file, or is gone) fails the check.

@@ -1,7 +1,7 @@
 """``rpb train`` that dies by SIGKILL right after its checkpoint at step K is complete, leaving a
 half-written checkpoint K+1 behind (as a kill during the next save would; none after the final checkpoint,
 where the kill interrupts the final save):
-``python tests/resume_worker.py K override ...``; with ``RPB_KILL_DURING_SAVE=1``, killed inside the save of
+``python tests/workers/resume_worker.py K override ...``; with ``RPB_KILL_DURING_SAVE=1``, killed inside the save of
 checkpoint K itself instead (its weights on disk, its optimizer state not)."""
 
 import os

@@ -1,5 +1,5 @@
 """``rpb calibrate`` / ``rpb retention`` killed by SIGKILL (no cleanup runs) while it publishes its output
-folder: ``python tests/kill_worker.py POINT OUT rpb-args...``. POINT ``before-publish``: every file written
+folder: ``python tests/workers/kill_worker.py POINT OUT rpb-args...``. POINT ``before-publish``: every file written
 into the temporary folder, nothing renamed; ``mid-swap``: the previous folder renamed away, the new one not
 yet in its place. Only renames that touch OUT's name count."""
 

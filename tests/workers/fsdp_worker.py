@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under torchrun: install an anchor, shard with FSDP2, one step.
+"""Run by tests/test_train_distributed.py under torchrun: install an anchor, shard with FSDP2, one step.
 
 Rank 0 writes the loss, the anchor term and the full router gradients to OUT; then every
 rank leaves with os._exit, because gloo's teardown can abort a finished process. With the method
