@@ -11,12 +11,15 @@ run, as a ladder: each rung adds one lever to the rung before it, so each lever'
   math set from the same base (a freshly initialised one, saved once), wall time of the training. "Labelled
   once" is a cell after the first of its process, as every cell but one of a demo or grid is: its data file was
   labelled already (``rpb.data.load_labelled`` keeps it); the reference cell labels it, as every cell did.
+  The last rung runs ``--lanes`` fast cells side by side (``rpb.toyworld.lanes``: one process each, the
+  threads shared out), as ``rpb demo`` and ``rpb experiment`` do: wall time, from the pool's start (the
+  processes' imports and labelling included) to the last cell's end, divided by the cells.
 
 Nothing else may run meanwhile. The last line printed is one JSON object: ``pretrain_step_s`` and ``cell_s``
-per rung, ``pretrain_speedup`` and ``cell_speedup`` (reference / fast), ``ratio`` (the smaller of the two), the
-machine and the thread count.
+per rung, ``pretrain_speedup`` and ``cell_speedup`` (reference / the last rung), ``ratio`` (the smaller of the
+two), the machine, the thread count and the lanes.
 
-Run: .venv/bin/python benchmarks/toyworld_speed.py [--steps 12 --rounds 3 --post-steps 500 --threads 2]
+Run: .venv/bin/python benchmarks/toyworld_speed.py [--steps 12 --rounds 3 --post-steps 500 --threads 2 --lanes 2]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from rpb.models import load_tokenizer
 from rpb.testing.models import tiny_config
 from rpb.testing.tokenizers import moonlight_tokenizer
 from rpb.toyworld.base import BaseRecipe, encode_tasks, machine, pretraining_step, training_batch, training_pool
+from rpb.toyworld.lanes import Job, run_jobs
 from rpb.toyworld.tasks import sample
 from rpb.toyworld.world import PostRecipe, train_cell, write_rows
 from rpb.train import deterministic_algorithms
@@ -54,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds of the two paths, alternating")
     p.add_argument("--post-steps", type=int, default=500, help="steps of the post-training cell (the recipe: 500)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lanes", type=int, default=2, help="fast cells side by side, one process each")
     return p.parse_args()
 
 
@@ -80,6 +85,8 @@ CELL_LADDER = (
     Rung("+ data labelled once per process", "reference", labelled=True),
     Rung("fast: + rpb_sorted experts, packed rows", "fast", labelled=True),
 )
+#: the last cell rung: ``lanes`` fast cells side by side (rpb.toyworld.lanes, the cores shared out), wall time / lanes
+LANES_RUNG = "fast, {lanes} cells side by side (wall / cells)"
 
 
 @contextlib.contextmanager
@@ -154,6 +161,12 @@ def post_cells(args, tokenizer) -> dict[str, float]:
             with filling(rung.fill):
                 _, seconds[rung.name] = train_cell(base, data, None, Path(tmp) / str(i), "sft", 42, cell,
                                                    progress=False)  # fmt: skip
+        # the lanes' processes start, import and label the data themselves: all of it is in the wall time
+        jobs = [Job(train_cell, (base, data, None, Path(tmp) / f"lane{i}", "sft", 42 + i, post, None, False))
+                for i in range(args.lanes)]  # fmt: skip
+        started = time.perf_counter()
+        run_jobs(jobs, args.lanes)
+        seconds[LANES_RUNG.format(lanes=args.lanes)] = (time.perf_counter() - started) / args.lanes
     return seconds
 
 
@@ -164,7 +177,7 @@ def main() -> None:
     step_s = pretraining(args, tokenizer)
     cell_s = post_cells(args, tokenizer)
     ref, fast = PRETRAIN_LADDER[0].name, PRETRAIN_LADDER[-1].name
-    cref, cfast = CELL_LADDER[0].name, CELL_LADDER[-1].name
+    cref, cfast = CELL_LADDER[0].name, LANES_RUNG.format(lanes=args.lanes)
     for title, figures, unit in (("pretraining step", step_s, "s"), (f"post-training cell, {args.post_steps} steps",
                                                                     cell_s, "s")):  # fmt: skip
         print(title)
@@ -174,7 +187,7 @@ def main() -> None:
     pre, cell = step_s[ref] / step_s[fast], cell_s[cref] / cell_s[cfast]
     print(json.dumps({"pretrain_step_s": step_s, "cell_s": cell_s, "pretrain_speedup": pre, "cell_speedup": cell,
                       "ratio": min(pre, cell), "post_steps": args.post_steps, "threads": args.threads,
-                      "machine": machine()}))  # fmt: skip
+                      "lanes": args.lanes, "machine": machine()}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -114,6 +114,18 @@ def _betas(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"a comma-separated list of numbers, got {text!r}") from None
 
 
+LANES_HELP = (
+    "runs side by side, one process each, the usable cores shared out among them (default: one per usable "
+    "core, at most 8; 1: one after another, all threads to each)"
+)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of at least 1, got {text!r}")
+    return int(text)
+
+
 def _render(args) -> int:
     from rpb.data.render import render_file
     from rpb.models import load_tokenizer
@@ -149,7 +161,8 @@ def _retention(args) -> int:
 def _demo(args) -> int:
     from rpb.toyworld.demo import run_demo
 
-    return run_demo(args.out, cache_dir=args.cache_dir, progress=not args.no_progress, from_scratch=args.from_scratch)
+    return run_demo(args.out, cache_dir=args.cache_dir, progress=not args.no_progress, from_scratch=args.from_scratch,
+                    lanes=args.lanes)  # fmt: skip
 
 
 def _experiment(args) -> int:
@@ -160,7 +173,10 @@ def _experiment(args) -> int:
 
     started = time.perf_counter()
     out = args.out or f"rpb-experiment-{args.grid}"
-    tables = run_grid(GRIDS[args.grid], out, args.cache_dir, not args.no_progress, args.keep_checkpoints)
+    from rpb.toyworld.lanes import default_lanes
+
+    tables = run_grid(GRIDS[args.grid], out, args.cache_dir, not args.no_progress, args.keep_checkpoints,
+                      lanes=args.lanes or default_lanes())  # fmt: skip
     print(tables)
     print(f"wrote {out}/tables.md and results.json ({time.perf_counter() - started:.0f} s this run)")
     return 0
@@ -351,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--from-scratch", action="store_true",
                    help="pretrain the base here instead of taking the repository's shipped one")  # fmt: skip
     d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--lanes", type=_positive_int, help=LANES_HELP)
     d.set_defaults(func=_demo)
 
     x = add("experiment", help="the toy-world study: every anchor x seeds x post-training sets, tables")
@@ -365,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")
     x.add_argument("--keep-checkpoints", action="store_true", help="keep every trained model (about 20 MB each)")
     x.add_argument("--no-progress", action="store_true")
+    x.add_argument("--lanes", type=_positive_int, help=LANES_HELP)
     x.set_defaults(func=_experiment)
     return p
 

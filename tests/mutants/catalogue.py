@@ -644,4 +644,23 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_file_labelled_once_is_not_labelled_again_unless_what_decides_its_labels_changed",
         ),
     ),
+    Mutant(
+        name="lanes_ignore_waits",
+        story="a job starts as soon as a lane is free, before the jobs it waits for (a calibrated cell before its "
+        "calibration, a weighted cell before its selection runs)",
+        path="toyworld/lanes.py",
+        function="run_jobs",
+        pattern=r"ready = \[i for i in pending if all\(a in results for a in jobs\[i\]\.after\)\]",
+        replacement="ready = [i for i in pending]",
+        tests=("tests/toyworld/test_lanes.py::test_jobs_run_side_by_side_after_what_they_wait_for",),
+    ),
+    Mutant(
+        name="lanes_take_every_core_each",
+        story="each lane keeps torch's default thread count, all the cores: two lanes on two cores fight over them",
+        path="toyworld/lanes.py",
+        function="_start_lane",
+        pattern=r"torch\.set_num_threads\(threads\)",
+        replacement="pass",
+        tests=("tests/toyworld/test_lanes.py::test_jobs_run_side_by_side_after_what_they_wait_for",),
+    ),
 )

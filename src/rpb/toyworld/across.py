@@ -177,12 +177,12 @@ def load_results(out: Path) -> list[dict]:
 
 
 def studies(
-    grid: Grid, out: Path, cache_dir=None, progress: bool = True, keep_checkpoints: bool = False
+    grid: Grid, out: Path, cache_dir=None, progress: bool = True, keep_checkpoints: bool = False, lanes: int = 1
 ) -> list[Study]:
     """One Study per base: in ``out`` itself for a one-base grid, in ``out/base<seed>/`` otherwise."""
     post = grid.post or PostRecipe()
     where = [Path(out)] if len(grid.bases) == 1 else [Path(out) / f"base{b}" for b in grid.bases]
-    return [Study(w, grid, post, cache_dir, progress, keep_checkpoints, base_seed=b)
+    return [Study(w, grid, post, cache_dir, progress, keep_checkpoints, base_seed=b, lanes=lanes)
             for w, b in zip(where, grid.bases, strict=True)]  # fmt: skip
 
 
@@ -195,18 +195,20 @@ def cost(grid: Grid, sts: list[Study]) -> str:
     done = [json.loads(p.read_text()) for st in sts for p in st.out.glob("**/result.json")]
     minutes = [sum(r["seconds"].values()) / 60 for r in done if "seconds" in r]
     each = statistics.fmean(minutes) if minutes else FIRST_ESTIMATE_MINUTES
-    left = per_base * len(sts) - len(done)
+    left, lanes = per_base * len(sts) - len(done), max(sts[0].lanes, 1)
     return (f"grid {grid.name}: {len(sts)} base(s) x ({len(grid.sets)} set(s) x {len(grid.arms)} arm(s) x "
             f"{len(grid.seeds)} seed(s) + {selection} weight-selection run(s)) = {per_base * len(sts)} runs; "
-            f"{len(done)} done, {left} to run, about {left * each:.0f} min on this machine "
-            f"({each:.1f} min a run, {'measured on the finished ones' if minutes else 'a first estimate'}), "
+            f"{len(done)} done, {left} to run, about {left * each / lanes:.0f} min on this machine "
+            f"({each:.1f} min a run, {'measured on the finished ones' if minutes else 'a first estimate'}"
+            f"{f', {lanes} side by side' if lanes > 1 else ''}), "
             "plus base pretraining where a base is not cached (about 10 minutes each)")  # fmt: skip
 
 
 def run_grid(grid: Grid, out: Path, cache_dir=None, progress: bool = True, keep_checkpoints: bool = False,
-             announce=print) -> str:  # fmt: skip
-    """Every base's cells (finished ones are read back), then the report; returns the tables."""
-    sts = studies(grid, out, cache_dir, progress, keep_checkpoints)
+             announce=print, lanes: int = 1) -> str:  # fmt: skip
+    """Every base's cells (finished ones are read back), then the report; returns the tables. ``lanes``: runs
+    side by side (rpb.toyworld.lanes)."""
+    sts = studies(grid, out, cache_dir, progress, keep_checkpoints, lanes)
     announce(cost(grid, sts))
     results = [r for st in sts for r in st.run()]
     if len(sts) == 1:

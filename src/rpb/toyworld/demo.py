@@ -14,17 +14,20 @@ import time
 from pathlib import Path
 
 from rpb.toyworld.experiment import GRIDS, Study
+from rpb.toyworld.lanes import default_lanes, lane_threads
 from rpb.toyworld.world import PostRecipe, base_dir, shipped_base
 
 
 def run_demo(
     out_dir: str | Path = "rpb-demo", cache_dir: str | Path | None = None, progress: bool = True,
-    from_scratch: bool = False,
+    from_scratch: bool = False, lanes: int | None = None,
 ) -> int:  # fmt: skip
+    """``lanes``: processes side by side (rpb.toyworld.lanes; default one per usable core)."""
     started = time.perf_counter()
     grid = GRIDS["demo"]
+    lanes = lanes or default_lanes()
     study = Study(Path(out_dir), grid, grid.post or PostRecipe(), Path(cache_dir) if cache_dir else None, progress,
-                  keep_checkpoints=True, shipped=not from_scratch)  # fmt: skip
+                  keep_checkpoints=True, shipped=not from_scratch, lanes=lanes)  # fmt: skip
     where = base_dir(study.post.base, study.cache_dir)
     record = json.loads((where / "recipe.json").read_text()) if (where / "recipe.json").is_file() else None
     shipped = None if from_scratch else shipped_base(study.post.base)
@@ -42,7 +45,8 @@ def run_demo(
     post_set = study.grid.sets[0]
     print(f"[2/4] routing prior of the base over {study.post.train_rows} {post_set} training conversations")
     study.prior(post_set)
-    print(f"[3/4] post-training {', '.join(a.label for a in study.grid.arms)} on {post_set}, then scoring")
+    side = f"{lanes} processes side by side, {lane_threads(lanes)} thread(s) each" if lanes > 1 else "one process"
+    print(f"[3/4] post-training {', '.join(a.label for a in study.grid.arms)} on {post_set}, then scoring ({side})")
     results = study.run()
     print("[4/4] tables and plots")
     tables = study.report(results)

@@ -136,6 +136,9 @@ class Study:
     base_seed: int = 0
     #: take the repository's shipped base for this recipe when the cache has none (False: pretrain it here)
     shipped: bool = True
+    #: cells (and the calibration, the base's own scores) run side by side in this many processes, the usable
+    #: cores shared out among them (rpb.toyworld.lanes); 1: one after another in this process
+    lanes: int = 1
 
     def __post_init__(self):
         self.out = Path(self.out)
@@ -318,8 +321,14 @@ class Study:
             chosen[method] = max(scores, key=lambda w: (scores[w], -w))  # ties: the weaker anchor
         record = {"set": self.grid.sets[0], "seed": self.grid.seeds[0], "part": "validation",
                   "criterion": "mean of ID and OOD exact match", "chosen": chosen, "trials": trials}  # fmt: skip
-        write_json_atomic(path, record)
+        if not path.is_file() or json.loads(path.read_text()) != record:  # each weighted cell reads it back
+            write_json_atomic(path, record)
         return chosen
+
+    def grid_cell(self, post_set: str, arm: Arm, seed: int) -> dict:
+        """One of the grid's cells, at its arm's weight (fixed, or chosen by the finished selection runs)."""
+        weight = self.select_weights(_NoBar()).get(arm.method) if get_method(arm.method).coefficient else None
+        return self.cell(self.out / "runs" / post_set / arm.slug / f"seed{seed}", post_set, arm, seed, weight)
 
     def run(self) -> list[dict]:
         """Every cell of the grid (finished ones are read back); returns their results."""
@@ -327,21 +336,45 @@ class Study:
             return self._run()
 
     def _run(self) -> list[dict]:
+        from rpb.toyworld.lanes import Job, run_jobs
+
         self.pin()
         g = self.grid
-        weighted = {a.method for a in g.arms if get_method(a.method).coefficient}
-        n_select = 0 if g.coefficients is not None else sum(len(g.candidates[m]) for m in weighted)
-        cells = [(s, a, seed) for s in g.sets for a in g.arms for seed in g.seeds]
-        bar = tqdm(total=n_select + len(cells), unit="run", desc=f"grid {g.name}", disable=not self.progress)
-        weights = self.select_weights(bar)
-        results = []
-        for post_set, arm, seed in cells:
-            bar.set_postfix_str(f"{post_set} {arm.label} seed {seed}")
-            where = self.out / "runs" / post_set / arm.slug / f"seed{seed}"
-            results.append(self.cell(where, post_set, arm, seed, weights.get(arm.method)))
-            bar.update(1)
+        for post_set in g.sets:  # every lane reads these: written here first, once
+            self.prior(post_set)
+        self.probe()
+        me = self if self.lanes <= 1 else dataclasses.replace(self, progress=False)  # no bars from the lanes
+        jobs = [
+            Job(me.base_routing, label="base routing"),
+            *(Job(me.base_score, (s,), label=f"base {s}") for s in g.sets),
+        ]
+        calibration = {}
+        if any(a.calibrated for a in g.arms):
+            for post_set in g.sets:
+                calibration[post_set] = len(jobs)
+                jobs.append(Job(me.calibration, (post_set,), label=f"calibration {post_set}"))
+        selection: dict[str, list[int]] = {}
+        if g.coefficients is None:
+            for method in sorted({a.method for a in g.arms if get_method(a.method).coefficient}):
+                for weight in g.candidates[method]:
+                    where = self.out / "selection" / f"{method}-{weight:g}"
+                    trial = (where, g.sets[0], Arm(method, method), g.seeds[0], weight, "validation", False)
+                    selection.setdefault(method, []).append(len(jobs))
+                    jobs.append(Job(me.cell, trial, label=f"selection {method} {weight:g}", counted=True))
+        first_cell = len(jobs)
+        for post_set, arm, seed in ((s, a, seed) for s in g.sets for a in g.arms for seed in g.seeds):
+            after = (*selection.get(arm.method, ()), *([calibration[post_set]] if arm.calibrated else []))
+            jobs.append(Job(me.grid_cell, (post_set, arm, seed), after, f"{post_set} {arm.label} seed {seed}", True))
+        bar = tqdm(total=sum(j.counted for j in jobs), unit="run", desc=f"grid {g.name}", disable=not self.progress)
+
+        def finished(job: Job) -> None:
+            if job.counted:
+                bar.set_postfix_str(job.label)
+                bar.update(1)
+
+        results = run_jobs(jobs, self.lanes, finished)
         bar.close()
-        return results
+        return results[first_cell:]
 
     def report(self, results: list[dict]) -> str:
         """tables.md (tables, chosen weights, base scores, figures) and results.json; returns the tables."""
