@@ -11,6 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 import rpb.calibrate.agreement
+from rpb.anchors.verify import PriorMismatchError
 from rpb.calibrate.agreement import training_rows_agreement
 from rpb.collect import collect
 from rpb.prior import SPAN_A, SPAN_Q
@@ -85,3 +86,12 @@ def test_mutant_prior_row_off_by_one_is_caught(setup, moon_tok, monkeypatch):
     monkeypatch.setattr(rpb.calibrate.agreement, "load_artifact", shifted)
     with pytest.raises(AssertionError, match=r"overlap_prior.* differs from hand"):
         check_agreement(setup, moon_tok)
+
+
+def test_a_data_file_that_is_not_the_priors_is_refused(setup, tmp_path):
+    """The rows are read back by position from the prior's own file, unchecked a second time: another file with
+    as many rows would pair each row with another row's prior."""
+    base, post, prior, _ = setup
+    other = write_rows(tmp_path / "other.jsonl", [qa(a, q) for q, a in ROWS])  # as many rows, other contents
+    with pytest.raises(PriorMismatchError, match=r"data_sha256: the prior has '[0-9a-f]{64}'"):
+        training_rows_agreement(base, post, prior, other, rows=SAMPLED, seed=SEED, batch_size=2)

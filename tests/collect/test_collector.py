@@ -5,6 +5,7 @@ Every run is compared with an independent one: the single-process, uninterrupted
 (other batches: equal within 1e-5). The artifact is read back with the safetensors library.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 from rpb.artifact import ArtifactError, TensorSpec, load_artifact, read_metadata, write_streamed
 from rpb.cli import main
 from rpb.collect import collect, plan_batches
-from rpb.collect.rows import label_range, scan_rows
+from rpb.collect.rows import index_rows, label_range, label_rows, scan_rows
 from rpb.collect.store import WorkDir, work_dir_for
 from rpb.data import ChatTemplate, DataError, load_labelled
 from rpb.testing.data import conversations, write_jsonl
@@ -137,6 +138,16 @@ def test_row_scan_labels_like_load_labelled(moon_tok, data, tmp_path):
         load_labelled(bad, moon_tok, 64)
     assert str(scanned.value) == str(loaded.value)
     assert scanned.value.kinds == ["empty-a-span", "malformed-json", "malformed-messages", "malformed-json"]
+
+
+def test_an_index_without_labelling_reads_back_the_same_rows(moon_tok, data):
+    template = ChatTemplate(moon_tok)
+    scanned, indexed = scan_rows(data, template, 100), index_rows(data)
+    assert (indexed.sha256, indexed.offsets, indexed.digests) == (scanned.sha256, scanned.offsets, scanned.digests)
+    assert indexed.sha256 == hashlib.sha256(Path(data).read_bytes()).hexdigest() and indexed.num_tokens is None
+    assert label_rows(indexed, template, 100, [7, 2]) == [
+        load_labelled(data, moon_tok, 100).examples[i] for i in (7, 2)
+    ]
 
 
 # ---- batching -----------------------------------------------------------------------------------

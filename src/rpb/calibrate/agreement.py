@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 
 from rpb.adapters import find_moe_layers
+from rpb.anchors.verify import PriorMismatchError
 from rpb.artifact import load_artifact
 from rpb.calibrate.measure import set_overlap
 from rpb.collect.collector import plan_batches
-from rpb.collect.rows import label_rows, scan_rows
+from rpb.collect.rows import index_rows, label_rows
 from rpb.data import ChatTemplate, collate
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
 from rpb.retention.trace import RouterTap, route_batch
@@ -37,7 +38,9 @@ def training_rows_agreement(
     tok = load_tokenizer(str(base))
     meta = artifact.metadata
     template = ChatTemplate(tok, meta.get("chat_template_kwargs"), meta.get("chat_template_date"))  # as collected
-    index = scan_rows(data_jsonl, template, max_seq_len)
+    index = index_rows(data_jsonl)  # the prior's own rows, checked when it was collected: no second scan
+    if index.sha256 != meta["data_sha256"]:
+        raise PriorMismatchError(str(prior), [("data_sha256", meta["data_sha256"], index.sha256)])
     chosen = sorted(random.Random(seed).sample(range(index.num_rows), min(rows, index.num_rows)))
     examples = label_rows(index, template, max_seq_len, chosen)
     row_of = {i: r for r, i in enumerate(chosen)}

@@ -35,7 +35,7 @@ class RowIndex:
     sha256: str  # of the file's bytes
     offsets: array  # 'q': byte offset of each row's line
     digests: bytes  # sha256 of each row's bytes (without its newline), 32 bytes a row
-    num_tokens: int  # after truncation, over all rows
+    num_tokens: int | None  # after truncation, over all rows (None: indexed only, not labelled: ``index_rows``)
 
     @property
     def num_rows(self) -> int:
@@ -82,6 +82,17 @@ def scan_rows(path: str | Path, template: ChatTemplate, max_seq_len: int) -> Row
     if errors:
         raise DataError(str(path), errors)
     return RowIndex(path, file_hash.hexdigest(), offsets, bytes(digests), tokens)
+
+
+def index_rows(path: str | Path) -> RowIndex:
+    """Where each row of ``path`` lies, without labelling any: for a file already checked, such as the one a
+    prior was collected from (compare ``sha256`` with the prior's ``data_sha256``)."""
+    path = require_file(path)
+    file_hash = hashlib.sha256()
+    with open(path, "rb") as f:
+        lines = list(_lines(f, file_hash))
+    offsets = array("q", (offset for offset, _ in lines))
+    return RowIndex(path, file_hash.hexdigest(), offsets, b"".join(_digest(line) for _, line in lines), None)
 
 
 def label_rows(rows: RowIndex, template: ChatTemplate, max_seq_len: int, indices) -> list[Example]:
