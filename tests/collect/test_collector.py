@@ -130,6 +130,10 @@ def test_row_scan_labels_like_load_labelled(moon_tok, data, tmp_path):
     assert (rows.num_rows, rows.sha256, rows.num_tokens) == (full.num_rows, full.sha256, full.num_tokens)
     assert label_range(rows, template, 100, 0, rows.num_rows) == full.examples
     assert label_range(rows, template, 100, 5, 8) == full.examples[5:8]
+    assert rows.examples is None  # not kept unless asked
+    kept = scan_rows(data, template, 100, keep_tokens=full.num_tokens)
+    assert list(kept.examples) == full.examples and label_range(kept, template, 100, 5, 8) == full.examples[5:8]
+    assert scan_rows(data, template, 100, keep_tokens=full.num_tokens - 1).examples is None  # one token too many
     bad = write_rows(tmp_path / "bad.jsonl", [conversations(1)[0], "not json", {"messages": []}, "\xff"])
     bad.write_bytes(bad.read_bytes().replace("\xff".encode(), b"\xff"))  # a line that is not UTF-8
     with pytest.raises(DataError) as scanned:

@@ -27,7 +27,7 @@ import rpb
 from rpb.adapters import MoELayer, find_moe_layers, router_output, routers_sha256
 from rpb.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION, PriorArtifact, load_artifact
 from rpb.collect.dist import ranks
-from rpb.collect.rows import label_range, scan_rows
+from rpb.collect.rows import KEEP_TOKENS, label_range, scan_rows
 from rpb.collect.store import WorkDir
 from rpb.data import ChatTemplate, Example, collate
 from rpb.data.reasoning import note_reasoning
@@ -184,7 +184,7 @@ def collect(
     tokenizer_id = tokenizer_id or model_id
     tokenizer = load_tokenizer(tokenizer_id, trust_remote_code)
     template = ChatTemplate(tokenizer, chat_template_kwargs)
-    rows = scan_rows(data_jsonl, template, max_seq_len)  # raises DataError before any compute
+    rows = scan_rows(data_jsonl, template, max_seq_len, KEEP_TOKENS)  # raises DataError before any compute
     reasoning = template.reasoning.as_dict()  # the scan's count (chunks label their rows again)
     note_reasoning(reasoning, template.settings)
     run = {
