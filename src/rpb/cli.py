@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     x = add("experiment", help="the toy-world study: every anchor x seeds x post-training sets, tables")
     x.add_argument(
         "--grid", default="small", choices=["headline", "full", "small", "beta", "cot"],
-        help="headline: sft, lbl, rpb, rpb at the calibrated beta x 3 seeds x 2 sets x 3 bases; full: every method "
+        help="headline: sft, lbl, rpb, rpb at the calibrated beta x 5 seeds x 2 sets x 3 bases; full: every method "
         "x 3 seeds x 2 sets x 3 bases; beta: rpb over beta, likewise; small: 4 methods x 1 seed on the math set; "
         "cot: sft, lbl, rpb and the four within-* controls x 3 seeds on the long-trace set, base 0, with "
         "transition retention",
