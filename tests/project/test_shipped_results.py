@@ -70,3 +70,29 @@ def test_the_calibrated_arm_used_its_bases_rule(base):
         for seed in GRID.seeds:
             cell = SHIPPED / f"base{base}" / "runs" / s / "rpbcalibrated" / f"seed{seed}" / "result.json"
             assert json.loads(cell.read_text())["anchor"]["beta"] == cal["recommended_beta"]
+
+
+# ---- the five-seed headline grid, under way (docs/results/headline-next) --------------------------------
+
+NEXT = ROOT / "docs" / "results" / "headline-next"
+
+
+def test_the_cells_of_the_grid_under_way_are_todays_grid_on_the_shipped_bases():
+    """Each base folder shipped so far pins today's ``headline`` grid and the shipped base's sha256; every cell
+    in it is one of the grid's (or of its weight selection), on that base, with its machine and threads."""
+    grid, pins = GRIDS["headline"], json.loads((ROOT / "bases" / "bases.json").read_text())
+    folders = sorted(NEXT.glob("base*"))
+    assert folders, "no base folder shipped yet"
+    cells = {(s, a.slug, f"seed{seed}") for s in grid.sets for a in grid.arms for seed in grid.seeds}
+    for folder in folders:
+        b = int(folder.name.removeprefix("base"))
+        pinned = json.loads((folder / "grid.json").read_text())
+        assert pinned["grid"] == json.loads(json.dumps(asdict(grid))) and b in grid.bases
+        assert pinned["post_recipe"]["base"]["seed"] == b
+        assert pinned["base_sha256"] == pins[f"base{b}"]["weights_sha256"]
+        for path in (folder / "runs").glob("*/*/*/result.json"):
+            cell = json.loads(path.read_text())
+            assert tuple(path.relative_to(folder / "runs").parts[:3]) in cells
+            assert cell["base"] == b and cell["machine"] and cell["threads"] >= 1
+        for path in (folder / "selection").glob("*/result.json"):
+            assert json.loads(path.read_text())["part"] == "validation"

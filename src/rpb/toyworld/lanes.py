@@ -94,6 +94,7 @@ def run_jobs(jobs: Sequence[Job], lanes: int = 1, on_done: Callable[[Job], None]
     lanes = min(lanes, len(jobs))
     results: dict[int, Any] = {}
     failures: list[str] = []
+    first: BaseException | None = None  # chained to the report: its lane's traceback comes with it
     pending, running = list(range(len(jobs))), {}  # running: Future -> index
     context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and locks
     with ProcessPoolExecutor(lanes, mp_context=context, initializer=_start_lane,
@@ -111,11 +112,12 @@ def run_jobs(jobs: Sequence[Job], lanes: int = 1, on_done: Callable[[Job], None]
                 if (error := future.exception()) is not None:
                     why = BROKEN if isinstance(error, BrokenProcessPool) else f"{type(error).__name__}: {error}"
                     failures.append(f"{jobs[i].label or i}: {why}")
+                    first = first or error
                 else:
                     results[i] = future.result()
                     done(jobs[i])
     if failures:
         not_run = len(jobs) - len(results) - len(failures)
         raise JobsFailedError(f"{len(failures)} job(s) failed ({not_run} not run; the {len(results)} finished "
-                              "kept their files):\n" + "\n".join(failures))  # fmt: skip
+                              "kept their files):\n" + "\n".join(failures)) from first  # fmt: skip
     return [results[i] for i in range(len(jobs))]
