@@ -201,7 +201,8 @@ def cost(grid: Grid, sts: list[Study]) -> str:
             f"{len(done)} done, {left} to run, about {left * each / lanes:.0f} min on this machine "
             f"({each:.1f} min a run, {'measured on the finished ones' if minutes else 'a first estimate'}"
             f"{f', {lanes} side by side' if lanes > 1 else ''}), "
-            "plus base pretraining where a base is not cached (about 10 minutes each)")  # fmt: skip
+            "plus base pretraining where a base is neither cached nor shipped in bases/ (about 10 minutes "
+            "each)")  # fmt: skip
 
 
 def run_grid(grid: Grid, out: Path, cache_dir=None, progress: bool = True, keep_checkpoints: bool = False,
