@@ -61,7 +61,7 @@ def test_failures_are_reported_together_and_nothing_new_starts(tmp_path):
     assert "2 job(s) failed (1 not run" in message
     assert "one: ValueError: first" in message and "two: ValueError: second" in message
     assert isinstance(caught.value.__cause__, ValueError)  # the first failure, with its lane's traceback:
-    assert 'raise ValueError(message)' in str(caught.value.__cause__.__cause__)
+    assert "raise ValueError(message)" in str(caught.value.__cause__.__cause__)
     assert not (tmp_path / "later").exists()
 
 
