@@ -663,4 +663,24 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="pass",
         tests=("tests/toyworld/test_lanes.py::test_jobs_run_side_by_side_after_what_they_wait_for",),
     ),
+    Mutant(
+        name="agreement_data_file_unchecked",
+        story="the mechanism figures read rows back by position from any file with enough rows, not only the one "
+        "the prior was collected from: each row meets another row's prior",
+        path="calibrate/agreement.py",
+        function="training_rows_agreement",
+        pattern=r'if index\.sha256 != meta\["data_sha256"\]:',
+        replacement="if False:",
+        tests=("tests/calibrate/test_agreement.py::test_a_data_file_that_is_not_the_priors_is_refused",),
+    ),
+    Mutant(
+        name="scan_keeps_rows_past_the_budget",
+        story="the collector's scan keeps every labelled row whatever the file's size: a large file's rows all "
+        "held in memory at once",
+        path="collect/rows.py",
+        function="scan_rows",
+        pattern=r"kept = kept if tokens <= keep_tokens else None",
+        replacement="kept = kept",
+        tests=("tests/collect/test_collector.py::test_row_scan_labels_like_load_labelled",),
+    ),
 )
