@@ -25,6 +25,7 @@ VENDORS = {
     "qwen3": (None, "<|im_end|>", ["<think>", "</think>"]),
     "mixtral": ("<s>", "</s>", []),
     "gpt_oss": ("<|startoftext|>", "<|return|>", []),
+    "glm_4_6": (None, "<|endoftext|>", ["[gMASK]", "<sop>", "<think>", "</think>"]),
 }
 _MARKERS = re.compile(r"<\|[a-z_]+\|>|<｜[^｜]+｜>")
 

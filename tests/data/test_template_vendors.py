@@ -25,10 +25,11 @@ CASES = {
     "two turns": [("user", Q1), ("assistant", A1), ("user", Q2), ("assistant", A2)],
     "system prompt": [("system", SYSTEM), ("user", Q1), ("assistant", A1)],
 }
-#: (template, keyword arguments): Qwen3 with thinking on and off
-RENDERINGS = [(name, {}) for name in VENDORS if name != "qwen3"] + [
-    ("qwen3", {"enable_thinking": True}), ("qwen3", {"enable_thinking": False}),
-]  # fmt: skip
+#: (template, keyword arguments): Qwen3 and GLM with thinking on and off (GLM's off appends '/nothink' to a user turn)
+SWITCHED = ("qwen3", "glm_4_6")
+RENDERINGS = [(name, {}) for name in VENDORS if name not in SWITCHED] + [
+    (name, {"enable_thinking": on}) for name in SWITCHED for on in (True, False)
+]
 
 
 def runs(tok, ids, spans) -> dict[int, list[str]]:
@@ -96,6 +97,17 @@ def test_gpt_oss_injects_its_own_system_text_which_stays_structural():
     }
 
 
+def test_glm_thinking_off_appends_nothink_to_each_user_turn_as_structure():
+    """GLM-4.5's line marks a user turn with '/nothink' when enable_thinking is false: rendered, never Q."""
+    tok = vendor_tokenizer("glm_4_6")
+    messages = [{"role": r, "content": c} for r, c in CASES["two turns"]]
+    off, template = label(tok, messages, template_kwargs={"enable_thinking": False})
+    on, _ = label(tok, messages, template_kwargs={"enable_thinking": True})
+    assert (off[SPAN_Q], off[SPAN_A]) == (on[SPAN_Q], on[SPAN_A]) == ([Q1, Q2], [A1, A2])
+    assert "".join(off[STRUCTURAL]).count("/nothink<|assistant|>") == 2 and "/nothink" not in "".join(on[STRUCTURAL])
+    assert template.settings["chat_template_kwargs"] == {"enable_thinking": False}
+
+
 # --------------------------------------------------------------------------- reasoning
 
 SHAPES = ("think-tags", "reasoning_content", "harmony thinking", "harmony channels")
@@ -130,10 +142,13 @@ EXPECTED_A = {
         "think-tags": [f"{R1}\n</think>\n\n{A1}", f"{R2}\n</think>\n\n{A2}"],
         None: [A1, f"{R2}<|end|><|start|>assistant<|channel|>final<|message|>{A2}"],
     },
+    # GLM-4.5 line: like Qwen3, the reasoning (field, or parsed out of the think block) only after the last user
+    # turn, as '\n<think>' + reasoning.strip() + '</think>' + '\n' + content.strip(); '\n<think></think>' otherwise
+    "glm_4_6": {None: [A1, f"{R2}</think>\n{A2}"]},
 }
 #: reasoning turns each template leaves out, per shape (None: every shape)
 DROPPED = {"deepseek_v3_1": {None: 2}, "qwen3": {None: 1}, "kimi_k2": {"think-tags": 0, None: 2},
-           "gpt_oss": {"think-tags": 0, None: 1}}  # fmt: skip
+           "gpt_oss": {"think-tags": 0, None: 1}, "glm_4_6": {None: 1}}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", EXPECTED_A)
