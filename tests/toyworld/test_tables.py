@@ -37,3 +37,12 @@ def test_paired_table_against_hand_computed_differences():
     # 95% interval is [10, 30], wholly above +2: not equivalent
     assert rows["lbl − sft"] == ["+20.0 [+10.0, +30.0]", "+0.000 [+0.000, +0.000]", "-0.100 [-0.100, -0.100]",
                                  "only transition (down)", "no"]  # fmt: skip
+
+
+def test_the_machine_mix_counts_cells_by_machine_and_threads():
+    from rpb.toyworld.tables import machine_mix
+
+    cells = [{"machine": "EPYC", "threads": 2}] + [{"machine": "Xeon", "threads": 1}] * 3 + [{"threads": 1}]
+    assert machine_mix(cells) == (
+        "Cells ran on: 3 on Xeon at 1 thread; 1 on EPYC at 2 threads; 1 on machine not recorded at 1 thread."
+    )

@@ -18,6 +18,7 @@ from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.claims import judge, verdict_table
 from rpb.toyworld.experiment import Grid, Study
 from rpb.toyworld.stats import interval, minimal_detectable_difference, paired_differences, points, two_stage_bootstrap
+from rpb.toyworld.tables import machine_mix
 from rpb.toyworld.world import PostRecipe
 
 REFERENCE = "sft"
@@ -146,6 +147,7 @@ def report_across(grid, studies: list, results: list[dict], out: Path) -> str:
     parts = [f"# Toy-world study: grid `{grid.name}` on bases {list(grid.bases)}", "", bases_table(studies)]
     for s in grid.sets:
         parts.append(scores_table(results, s, arms))
+    parts += [machine_mix(results), ""]
     if any("mechanism" in r for r in results):
         parts += [mechanism_table(results, s, arms) for s in grid.sets]
     calibrated = {(st.base_seed, s): st.calibrated_beta(s) for st in studies for s in grid.sets

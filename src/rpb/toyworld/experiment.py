@@ -385,7 +385,7 @@ class Study:
             return self._report(results)
 
     def _report(self, results: list[dict]) -> str:
-        from rpb.toyworld.tables import paired_table, plot_retention, plot_tradeoff, table
+        from rpb.toyworld.tables import machine_mix, paired_table, plot_retention, plot_tradeoff, table
 
         g = self.grid
         arms = tuple(a.label for a in g.arms)
@@ -408,6 +408,7 @@ class Study:
             f"over the pretraining domains' held-out test questions ({self.post.eval_ood} per domain at most); "
             "retention on the probe set against the base.", "",
             tables,
+            machine_mix(results), "",
             "Anchor weights: " + (", ".join(f"{m} {w:g}" for m, w in sorted(weights.items())) or "none") + (
                 " (fixed)" if g.coefficients is not None else " (chosen on the validation split: selection.json)"),
             *(["Calibrated beta (`rpb calibrate`'s rule, rpb/calibrate/rule.py): "

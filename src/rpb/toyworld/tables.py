@@ -47,6 +47,17 @@ HEADERS = {"id": "ID %", "id_lines": "ID lines %", "ood": "OOD %", "tvd": "TVD",
            "overlap_base": "overlap with base sets", "overlap_prior": "overlap with prior top-k"}  # fmt: skip
 
 
+def machine_mix(results: list[dict]) -> str:
+    """Which machine types and thread counts the cells ran on: a grid may be continued on another machine type
+    only on the same pinned base, and its tables say so. Cells from before machines were recorded count as such."""
+    counts: dict[tuple[str, int | None], int] = defaultdict(int)
+    for r in results:
+        counts[(r.get("machine") or "machine not recorded", r.get("threads"))] += 1
+    parts = [f"{n} on {m}" + (f" at {t} thread{'s' if t != 1 else ''}" if t else "")
+             for (m, t), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]  # fmt: skip
+    return f"Cells ran on: {'; '.join(parts)}." if parts else "Cells ran on: no cells."
+
+
 def value(result: dict, key: str) -> float:
     if key in PERCENT:
         return 100.0 * result[key] if key in result else math.nan
