@@ -144,10 +144,10 @@ def regret_table(results: list[dict], calibrated: dict[tuple[int, str], float]) 
 def report_across(grid, studies: list, results: list[dict], out: Path) -> str:
     """tables.md and results.json across the bases; returns the tables."""
     arms = tuple(a.label for a in grid.arms)
-    parts = [f"# Toy-world study: grid `{grid.name}` on bases {list(grid.bases)}", "", bases_table(studies)]
+    parts = [f"# Toy-world study: grid `{grid.name}` on bases {list(grid.bases)}", "", bases_table(studies),
+             machine_mix(results), ""]  # fmt: skip
     for s in grid.sets:
         parts.append(scores_table(results, s, arms))
-    parts += [machine_mix(results), ""]
     if any("mechanism" in r for r in results):
         parts += [mechanism_table(results, s, arms) for s in grid.sets]
     calibrated = {(st.base_seed, s): st.calibrated_beta(s) for st in studies for s in grid.sets
