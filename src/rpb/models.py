@@ -152,8 +152,27 @@ def load_causal_lm(model_id: str, dtype: str = "float32", experts_implementation
 def load_tokenizer(tokenizer_id: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    if trust_remote_code:
+        remote_tokenizer_imports()
     with _loading(f"tokenizer {tokenizer_id!r}"):
         return AutoTokenizer.from_pretrained(tokenizer_id, trust_remote_code=trust_remote_code)
+
+
+def remote_tokenizer_imports() -> None:
+    """Let the remote tokenizers of Moonlight and the Kimi line import under transformers 5.
+
+    Their ``tokenization_moonshot.py`` / ``tokenization_kimi.py`` import ``bytes_to_unicode`` from transformers'
+    GPT-2 tokenizer module, which transformers 5 no longer has (it kept the function in
+    ``convert_slow_tokenizer``), so their code fails on import before it tokenizes anything. The same function is
+    put back where that code looks; nothing is replaced, and nothing happens where it is still there.
+    """
+    import importlib
+
+    # modules by their full names: ``transformers.convert_slow_tokenizer`` is also the name of a function
+    converters = importlib.import_module("transformers.convert_slow_tokenizer")
+    tokenization_gpt2 = importlib.import_module("transformers.models.gpt2.tokenization_gpt2")
+    if not hasattr(tokenization_gpt2, "bytes_to_unicode"):
+        tokenization_gpt2.bytes_to_unicode = converters.bytes_to_unicode
 
 
 def pad_id_of(tokenizer) -> int:

@@ -674,6 +674,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/calibrate/test_agreement.py::test_a_data_file_that_is_not_the_priors_is_refused",),
     ),
     Mutant(
+        name="remote_tokenizer_left_unimportable",
+        story="rpb loads a remote tokenizer without putting back the function Moonlight's and Kimi's code imports "
+        "from transformers' GPT-2 module: under transformers 5 their tokenizer fails on import",
+        path="models.py",
+        function="load_tokenizer",
+        pattern=r"        remote_tokenizer_imports\(\)\n",
+        replacement="        pass\n",
+        tests=("tests/test_models_moonshot.py::test_transformers_5_cannot_import_the_vendors_code_without_rpbs_shim",),
+    ),
+    Mutant(
         name="scan_keeps_rows_past_the_budget",
         story="the collector's scan keeps every labelled row whatever the file's size: a large file's rows all "
         "held in memory at once",
