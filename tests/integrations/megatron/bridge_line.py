@@ -165,6 +165,15 @@ def imported_line(line: str, root: Path, work: Path, out: dict) -> None:
         orders[seed] = [it["sample_index"] for it in items]
         tokens.update({it["sample_index"]: _hash(it) for it in items})
     out["dataset"] = {"len": len(ds), "rows": len(ds.indexed_dataset), "orders": orders, "token_sha256": tokens}
+    # Moonlight's kind of tokenizer (remote code, tiktoken, slow): the same rows through Bridge's dataset
+    moon = load_tokenizer(str(work / "moon"), trust_remote_code=True)
+    moon_data = load_labelled(str(work / "data.jsonl"), moon, 256)
+    moon_ds = rpb_sft_dataset(cfg, moon_data.examples, 0, moon, max_num_samples=n)
+    moon_items = [moon_ds[i] for i in range(n)]
+    out["moonshot"] = {
+        "tokenizer": type(moon).__name__,
+        "token_sha256": {it["sample_index"]: _hash(it) for it in moon_items},
+    }
 
     from megatron.bridge.data.samplers import build_pretraining_data_loader
 

@@ -35,6 +35,7 @@ from rpb.integrations.megatron.guard import RUN_CONTRACT
 from rpb.integrations.megatron.versions import TESTED_LINES
 from rpb.models import load_tokenizer
 from rpb.testing.data import conversations, write_jsonl
+from tests.moonshot_tokenizer import moonshot_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("bridge_line.py")
@@ -91,6 +92,7 @@ def work(tmp_path_factory, moon_tok):
     work = tmp_path_factory.mktemp("bridge-lines")
     write_jsonl(conversations(ROWS, seed=1), work / "data.jsonl")
     moon_tok.save_pretrained(work / "tok")
+    moonshot_tokenizer_dir(work / "moon")  # Moonlight's own kind: remote code over tiktoken ranks
     # transformers 5 writes its backend's class name and the extra special tokens as a list; 4.x reads neither
     config_path = work / "tok" / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
@@ -190,6 +192,16 @@ def test_token_parity_bridges_dataset_under_4x_equals_rpbs_labelling_under_5(v03
     data = load_labelled(str(work / "data.jsonl"), load_tokenizer(str(work / "tok")), 256)
     here = {str(e.index): e.token_sha256 for e in data.examples}
     assert v031["dataset"]["token_sha256"] == here
+
+
+def test_token_parity_holds_for_moonlights_kind_of_tokenizer(v031, work):
+    """The remote tiktoken tokenizer (tests/moonshot_tokenizer.py) loaded under transformers 4.57 for Bridge's
+    dataset and under transformers 5 (with rpb's import shim) for rpb's labelling: the same tokens and spans."""
+    data = load_labelled(str(work / "data.jsonl"), load_tokenizer(str(work / "moon"), trust_remote_code=True), 256)
+    here = {str(e.index): e.token_sha256 for e in data.examples}
+    assert v031["moonshot"]["tokenizer"] == "TikTokenTokenizer" and len(here) == ROWS
+    assert v031["moonshot"]["token_sha256"] == here
+    assert here != {str(k): v for k, v in v031["dataset"]["token_sha256"].items()}  # another tokenizer's tokens
 
 
 def test_v031_loss_function_returns_what_the_anchor_wraps(v031):
