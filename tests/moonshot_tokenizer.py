@@ -29,12 +29,12 @@ _CORPUS = (
 def ranks() -> dict[bytes, int]:
     from tiktoken._educational import bpe_train
 
-    pattern = _standin_pattern()
+    pattern = standin_pattern()
     # trained with the regex module in its V1 mode, where [..&&..] is a set intersection as in tiktoken's
     return bpe_train(_CORPUS, 256 + 100, "(?V1)" + pattern, visualise=None)
 
 
-def _standin_pattern() -> str:
+def standin_pattern() -> str:
     """The split pattern, read from the stand-in's source (the module cannot be imported before rpb's shim)."""
     namespace: dict = {}
     source = STANDIN.read_text()

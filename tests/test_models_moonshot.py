@@ -17,7 +17,7 @@ from rpb.data import load_labelled
 from rpb.models import load_tokenizer
 from rpb.prior import SPAN_A, SPAN_Q
 from tests.conftest import write_rows
-from tests.moonshot_tokenizer import SPECIALS, _standin_pattern, moonshot_tokenizer_dir
+from tests.moonshot_tokenizer import SPECIALS, moonshot_tokenizer_dir, standin_pattern
 
 Q1, A1, Q2, A2, SYSTEM, R2 = "What is 2+2?", "It is 4.", "And 3+3?", "Six.", "Answer briefly.", "Three doubled."
 TEXTS = ["What is 2+2? It is 4.", "HTTPServer's CamelCase, don't we'll 12345678", "专家路由 mixture\n\n  indented",
@@ -52,7 +52,7 @@ def test_it_encodes_as_tiktoken_with_the_kimi_pattern_and_moonlights_special_ids
     ranks = load_tiktoken_bpe(str(moon_dir / "tiktoken.model"))
     config = json.loads((moon_dir / "tokenizer_config.json").read_text())
     specials = {t["content"]: int(i) for i, t in config["added_tokens_decoder"].items()}
-    reference = tiktoken.Encoding("reference", pat_str=_standin_pattern(), mergeable_ranks=ranks,
+    reference = tiktoken.Encoding("reference", pat_str=standin_pattern(), mergeable_ranks=ranks,
                                   special_tokens=specials)  # fmt: skip
     for text in TEXTS:
         expected = reference.encode(text, allowed_special="all")
