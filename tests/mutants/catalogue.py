@@ -674,6 +674,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/calibrate/test_agreement.py::test_a_data_file_that_is_not_the_priors_is_refused",),
     ),
     Mutant(
+        name="machine_mix_ignores_threads",
+        story="the tables' machine line counts cells by machine type alone: cells at one thread and at two on the "
+        "same CPU read as one kind, though their bits differ",
+        path="toyworld/tables.py",
+        function="machine_mix",
+        pattern=r'counts\[\(r\.get\("machine"\) or "machine not recorded", r\.get\("threads"\)\)\] \+= 1',
+        replacement='counts[(r.get("machine") or "machine not recorded", None)] += 1',
+        tests=("tests/toyworld/test_tables.py::test_the_machine_mix_counts_cells_by_machine_and_threads",),
+    ),
+    Mutant(
         name="remote_tokenizer_left_unimportable",
         story="rpb loads a remote tokenizer without putting back the function Moonlight's and Kimi's code imports "
         "from transformers' GPT-2 module: under transformers 5 their tokenizer fails on import",
