@@ -173,6 +173,11 @@ def _experiment(args) -> int:
 
     started = time.perf_counter()
     out = args.out or f"rpb-experiment-{args.grid}"
+    if args.ship:
+        from rpb.toyworld.shipping import ship
+
+        print(ship(GRIDS[args.grid], out, args.ship, args.cache_dir))
+        return 0
     from rpb.toyworld.lanes import default_lanes
 
     tables = run_grid(GRIDS[args.grid], out, args.cache_dir, not args.no_progress, args.keep_checkpoints,
@@ -383,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--keep-checkpoints", action="store_true", help="keep every trained model (about 20 MB each)")
     x.add_argument("--no-progress", action="store_true")
     x.add_argument("--lanes", type=_positive_int, help=LANES_HELP)
+    x.add_argument("--ship", metavar="DIR",
+                   help="train nothing: copy each base of --out whose runs are all finished to DIR/base<seed>/ "
+                   "(its cells, set-up, selection, scores, calibration, facts), then write the report over the "
+                   "shipped bases in DIR (docs/results/<grid> in this repository)")  # fmt: skip
     x.set_defaults(func=_experiment)
     return p
 

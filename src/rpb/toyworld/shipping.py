@@ -1,0 +1,119 @@
+"""Shipping a grid's finished cells into the repository, base by base (``docs/results/<grid>/base<seed>/``).
+
+A grid takes hours and a run folder does not outlive its machine, so each base's cells are committed as
+soon as all of them are finished, with everything the report reads back: the pinned set-up (grid.json),
+the weight selection, the base's facts and scores, its calibration. Nothing that can be remade from the
+recipe travels (data, priors, the probe set) and nothing large (checkpoints, retention folders).
+
+Beside the base folders, ``tables.md``, ``results.json`` and ``bases.json`` are the report over the bases
+shipped so far (its title names them); tests/project/test_shipped_results.py makes it again from the shipped
+files alone, so a figure in them is always the code's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from rpb.anchors import get_method
+from rpb.errors import RpbError
+from rpb.fileio import atomic_path
+from rpb.toyworld.across import report_across, studies
+from rpb.toyworld.experiment import Grid, GridChangedError, Study
+from rpb.toyworld.world import PostRecipe
+
+#: what a base's report reads back, as glob patterns under its run folder
+SHIPPED_FILES = (
+    "grid.json", "selection.json", "base_facts.json", "base_scores/*.json", "calibration/*/calibrate.json",
+    "calibration/*/calibrate.md", "selection/*/result.json", "runs/*/*/*/result.json",
+)  # fmt: skip
+
+
+class NotFinishedError(RpbError):
+    """A base whose cells are not all finished cannot be shipped."""
+
+
+def cell_paths(st: Study) -> list[Path]:
+    """Every result file a base of the grid owes: its cells in the grid's order, then its selection runs."""
+    g = st.grid
+    cells = [st.out / "runs" / s / a.slug / f"seed{seed}" / "result.json"
+             for s in g.sets for a in g.arms for seed in g.seeds]  # fmt: skip
+    if g.coefficients is None:
+        weighted = sorted({a.method for a in g.arms if get_method(a.method).coefficient})
+        cells += [st.out / "selection" / f"{m}-{w:g}" / "result.json" for m in weighted for w in g.candidates[m]]
+    return cells
+
+
+def _needs_calibration(grid: Grid) -> bool:
+    # the beta grid's report judges the beta rule, so its calibration ships though no arm of it is calibrated
+    return grid.name == "beta" or any(a.calibrated for a in grid.arms)
+
+
+def ship_base(st: Study, dest: Path) -> list[Path]:
+    """Copy a finished base's files to ``dest/<its folder name>/``; returns the shipped paths.
+
+    Refused while any of its cells is unfinished (all are named), and when the destination pins another
+    set-up. The base's facts and calibration are made first if the run has not made them yet (the beta
+    grid's calibration is made at report time), which needs the base model."""
+    if not (st.out / "grid.json").is_file():
+        raise NotFinishedError(f"{st.out}: not started")
+    missing = [p for p in cell_paths(st) if not p.is_file()]
+    if missing:
+        names = ", ".join(str(p.parent.relative_to(st.out)) for p in missing)
+        raise NotFinishedError(f"{st.out}: {len(missing)} of {len(cell_paths(st))} runs not finished: {names}")
+    st.base_facts()
+    if _needs_calibration(st.grid):
+        for s in st.grid.sets:
+            st.calibration(s)
+    target = Path(dest) / st.out.name
+    pinned = target / "grid.json"
+    if pinned.is_file() and json.loads(pinned.read_text()) != json.loads((st.out / "grid.json").read_text()):
+        raise GridChangedError(f"{pinned}: the shipped base pins another set-up than {st.out / 'grid.json'}")
+    shipped = []
+    for pattern in SHIPPED_FILES:
+        for source in sorted(st.out.glob(pattern)):
+            path = target / source.relative_to(st.out)
+            with atomic_path(path) as tmp:
+                shutil.copyfile(source, tmp)
+            shipped.append(path)
+    return shipped
+
+
+def shipped_studies(grid: Grid, dest: Path) -> list[Study]:
+    """A Study over each base folder shipped in ``dest``, in the grid's order (nothing is built)."""
+    post = grid.post or PostRecipe()
+    return [Study(Path(dest) / f"base{b}", grid, post, progress=False, base_seed=b)
+            for b in grid.bases if (Path(dest) / f"base{b}" / "grid.json").is_file()]  # fmt: skip
+
+
+def shipped_results(st: Study) -> list[dict]:
+    """A shipped base's cells, in the grid's order (its selection runs aside)."""
+    g = st.grid
+    return [json.loads(p.read_text()) for p in cell_paths(st)[: len(g.sets) * len(g.arms) * len(g.seeds)]]
+
+
+def report_shipped(grid: Grid, dest: Path) -> str:
+    """tables.md, results.json and bases.json in ``dest`` over the bases shipped there; returns the tables."""
+    sts = shipped_studies(grid, dest)
+    if not sts:
+        raise NotFinishedError(f"{dest}: no base of grid {grid.name!r} shipped")
+    part = dataclasses.replace(grid, bases=tuple(st.base_seed for st in sts))
+    return report_across(part, sts, [r for st in sts for r in shipped_results(st)], Path(dest))
+
+
+def ship(grid: Grid, out: Path, dest: Path, cache_dir=None) -> str:
+    """Ship every base of the grid in ``out`` whose runs are all finished, then the report over the shipped
+    bases; returns what was done, base by base."""
+    if len(grid.bases) < 2:
+        raise RpbError(f"grid {grid.name!r} runs on one base: its results are its output folder {out}")
+    lines = []
+    for st in studies(grid, out, cache_dir, progress=False):
+        try:
+            lines.append(f"base {st.base_seed}: {len(ship_base(st, dest))} files to {Path(dest) / st.out.name}")
+        except NotFinishedError as err:
+            lines.append(f"base {st.base_seed}: not shipped ({err})")
+    report_shipped(grid, dest)
+    lines.append(f"wrote {Path(dest) / 'tables.md'}, results.json and bases.json over the shipped bases")
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""Shipping a grid's finished bases (rpb.toyworld.shipping), on a run folder made of the shipped headline
+grid's base 0 (a finished base: 40 cells, 3 selection runs, its facts, scores and calibration) with what a
+real run folder holds besides (data, priors, checkpoints, retention folders), none of which may travel."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rpb.cli import main
+from rpb.toyworld.experiment import GRIDS, GridChangedError
+from rpb.toyworld.shipping import NotFinishedError, ship, ship_base, shipped_studies
+
+ROOT = Path(__file__).resolve().parents[2]
+HEADLINE = ROOT / "docs" / "results" / "headline"
+GRID = GRIDS["headline"]
+#: what a finished base of the headline grid holds, counted by hand: grid.json, selection.json, base_facts.json,
+#: 2 base scores, 2 x 2 calibration files, 3 selection runs (lbl's three weights), 2 sets x 4 arms x 5 seeds
+FILES = 3 + 2 + 4 + 3 + 40
+
+
+def _run_folder(tmp_path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(HEADLINE / "base0", run / "base0")
+    extra = ("priors/math_post.safetensors", "data/math_post.train.jsonl", "base_routing/report.json",
+            "runs/math_post/sft/seed42/model/model.safetensors", "runs/math_post/sft/seed42/retention/report.json",
+            "selection/lbl-0.01/model/config.json")  # fmt: skip
+    for junk in extra:
+        (run / "base0" / junk).parent.mkdir(parents=True, exist_ok=True)
+        (run / "base0" / junk).write_text("not for the repository")
+    return run
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_finished_base_ships_its_result_files_and_nothing_else(tmp_path):
+    run, dest = _run_folder(tmp_path), tmp_path / "dest"
+    said = ship(GRID, run, dest)
+    assert _files(dest / "base0") == _files(HEADLINE / "base0") and len(_files(dest / "base0")) == FILES
+    assert "base 0: 52 files" in said
+    assert "base 1: not shipped" in said and "not started" in said and not (dest / "base1").exists()
+    # the report over the one base shipped: its title says so, and its results are that base's 40 cells
+    assert (dest / "tables.md").read_text().startswith("# Toy-world study: grid `headline` on bases [0]")
+    cells = sorted((json.loads(p.read_text()) for p in (HEADLINE / "base0" / "runs").glob("*/*/*/result.json")),
+                   key=lambda r: (r["set"], r["arm"], r["seed"]))  # fmt: skip
+    assert json.loads((dest / "results.json").read_text()) == cells and len(cells) == 40
+    assert list(json.loads((dest / "bases.json").read_text())) == ["0"]
+    assert [st.base_seed for st in shipped_studies(GRID, dest)] == [0]
+
+
+def test_rpb_experiment_ship_trains_nothing_and_ships_again_the_same(tmp_path, capsys):
+    run, dest = _run_folder(tmp_path), tmp_path / "dest"
+    said = ship(GRID, run, dest)
+    capsys.readouterr()
+    assert main(["experiment", "--grid", "headline", "--out", str(run), "--ship", str(dest)]) == 0
+    assert capsys.readouterr().out.strip() == said
+    assert _files(dest / "base0") == _files(HEADLINE / "base0")
+    # nothing was made in the run folder: what it held before, the three folders _run_folder added
+    assert {p.name for p in (run / "base0").iterdir()} == {p.name for p in (HEADLINE / "base0").iterdir()} | {
+        "base_routing", "data", "priors"}  # fmt: skip
+
+
+def test_a_base_with_unfinished_runs_is_refused_with_every_one_named(tmp_path):
+    run = _run_folder(tmp_path)
+    for cell in ("runs/math_post/sft/seed43", "runs/code_post/rpbcalibrated/seed46", "selection/lbl-0.1"):
+        (run / "base0" / cell / "result.json").unlink()
+    (st,) = [s for s in shipped_studies(GRID, run)]
+    with pytest.raises(NotFinishedError) as caught:
+        ship_base(st, tmp_path / "dest")
+    message = str(caught.value)
+    assert "3 of 43 runs not finished" in message
+    assert all(c in message for c in ("runs/math_post/sft/seed43", "rpbcalibrated/seed46", "selection/lbl-0.1"))
+    assert not (tmp_path / "dest").exists()
+
+
+def test_a_destination_pinning_another_set_up_is_refused(tmp_path):
+    run, dest = _run_folder(tmp_path), tmp_path / "dest"
+    (dest / "base0").mkdir(parents=True)
+    other = json.loads((run / "base0" / "grid.json").read_text())
+    other["base_sha256"] = "0" * 64
+    (dest / "base0" / "grid.json").write_text(json.dumps(other))
+    (st,) = shipped_studies(GRID, run)
+    with pytest.raises(GridChangedError, match="pins another set-up"):
+        ship_base(st, dest)
+    assert sorted(p.name for p in (dest / "base0").iterdir()) == ["grid.json"]
+
+
+def test_a_one_base_grid_is_not_shipped_this_way(tmp_path):
+    with pytest.raises(ValueError, match="runs on one base"):
+        ship(GRIDS["demo"], tmp_path / "run", tmp_path / "dest")
