@@ -703,4 +703,25 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="kept = kept",
         tests=("tests/collect/test_collector.py::test_row_scan_labels_like_load_labelled",),
     ),
+    Mutant(
+        name="ship_takes_an_unfinished_base",
+        story="rpb experiment --ship copies a base whatever its runs: a base with cells still running lands in "
+        "docs/results, and its report is made from a partial set of seeds",
+        path="toyworld/shipping.py",
+        function="ship_base",
+        pattern=r"    if missing:\n",
+        replacement="    if False:\n",
+        tests=("tests/toyworld/test_shipping.py::test_a_base_with_unfinished_runs_is_refused_with_every_one_named",),
+    ),
+    Mutant(
+        name="ship_copies_the_whole_cell_folder",
+        story="rpb experiment --ship copies everything under each cell, checkpoints and retention folders too "
+        "(about 20 MB a kept checkpoint) instead of the result files alone",
+        path="toyworld/shipping.py",
+        function="ship_base",
+        pattern=r"for source in sorted\(st\.out\.glob\(pattern\)\):",
+        replacement="for source in sorted(q for p in st.out.glob(pattern) for q in "
+        "([p] if p.name != 'result.json' else [f for f in p.parent.rglob('*') if f.is_file()])):",
+        tests=("tests/toyworld/test_shipping.py::test_a_finished_base_ships_its_result_files_and_nothing_else",),
+    ),
 )
