@@ -724,4 +724,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "([p] if p.name != 'result.json' else [f for f in p.parent.rglob('*') if f.is_file()])):",
         tests=("tests/toyworld/test_shipping.py::test_a_finished_base_ships_its_result_files_and_nothing_else",),
     ),
+    Mutant(
+        name="axolotl_remote_tokenizer_left_unimportable",
+        story="the axolotl plugin leaves Moonlight's remote tokenizer code unimportable under axolotl's "
+        "transformers 5: axolotl's own tokenizer loader fails before training starts",
+        path="integrations/axolotl/plugin.py",
+        function="RpbPlugin.register",
+        pattern=r"            remote_tokenizer_imports\(\)  #",
+        replacement="            pass  #",
+        tests=(
+            "tests/integrations/axolotl/test_plugin.py::"
+            "test_moonlights_remote_tokenizer_loads_through_axolotls_own_loader",
+        ),
+    ),
 )

@@ -17,8 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiktoken
 import torch
 import yaml
+from tiktoken.load import load_tiktoken_bpe
 from transformers import AutoTokenizer
 
 from rpb.artifact import load_artifact
@@ -55,10 +57,9 @@ def work(tmp_path_factory, save_tiny):
     return out
 
 
-def run_axolotl(work, arch: str, name: str, rpb: dict, **settings) -> tuple[dict, Path]:
-    """One axolotl run of ``STEPS`` steps on the arch's base; returns the recorder's record and output_dir."""
+def axolotl_yaml(work, arch: str, name: str, rpb: dict, **settings) -> Path:
+    """The YAML of one axolotl run of ``STEPS`` steps on the arch's base, under ``work["tmp"]``."""
     model, prior = work[arch]
-    out = work["tmp"] / name
     config = {
         "base_model": str(model),
         "plugins": ["rpb.integrations.axolotl.RpbPlugin", "tests.integrations.axolotl.recorder.RecordRouting"],
@@ -66,19 +67,30 @@ def run_axolotl(work, arch: str, name: str, rpb: dict, **settings) -> tuple[dict
         "datasets": [{"path": str(work["data"]), "type": "chat_template"}],
         "sequence_len": 192, "micro_batch_size": BATCH, "gradient_accumulation_steps": 1, "max_steps": STEPS,
         "num_epochs": 1, "learning_rate": 1e-3, "optimizer": "adamw_torch", "lr_scheduler": "constant",
-        "output_dir": str(out), "logging_steps": 1, "save_strategy": "no", "seed": 7, "bf16": False,
+        "output_dir": str(work["tmp"] / name), "logging_steps": 1, "save_strategy": "no", "seed": 7, "bf16": False,
         "fp16": False, "tf32": False, "dataloader_num_workers": 0, **settings,
     }  # fmt: skip
     path = work["tmp"] / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def under_axolotl(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``python ARGS`` with axolotl's folder first on the path (its transformers shadows rpb's), then this
+    checkout's rpb and tests; it must succeed."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    # axolotl's folder first (its transformers shadows rpb's), then this checkout's rpb and tests
     search = [str(axolotl_folder()), str(ROOT / "src"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env.update(PYTHONPATH=os.pathsep.join(search), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                AXOLOTL_DO_NOT_TRACK="1", DO_NOT_TRACK="1", WANDB_MODE="disabled")  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "axolotl.cli.train", str(path)], env=env, cwd=work["tmp"],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    return done
+
+
+def run_axolotl(work, arch: str, name: str, rpb: dict, **settings) -> tuple[dict, Path]:
+    """One axolotl run of ``STEPS`` steps on the arch's base; returns the recorder's record and output_dir."""
+    under_axolotl(["-m", "axolotl.cli.train", str(axolotl_yaml(work, arch, name, rpb, **settings))], work["tmp"])
+    out = work["tmp"] / name
     return json.loads((out / "record.json").read_text()), out
 
 
@@ -148,3 +160,34 @@ def test_loss_anchor_gets_non_reentrant_checkpointing_and_no_native_aux_loss(wor
     assert any(log["anchor_loss"] > 0 for log in train_logs[1:])  # the routers moved: the term is live
     saved = json.loads((out / "config.json").read_text())
     assert saved["output_router_logits"] is True  # the anchor left with post_train: the model's own value
+
+
+#: axolotl's own config loading (which registers the plugins) and its own tokenizer loader, nothing of rpb's
+LOAD_TOKENIZER = """
+import json, sys
+from axolotl.cli.config import load_cfg
+from axolotl.loaders.tokenizer import load_tokenizer
+tok = load_tokenizer(load_cfg(sys.argv[1]))
+print(json.dumps({"class": type(tok).__name__, "ids": tok(sys.argv[2], add_special_tokens=False)["input_ids"]}))
+"""
+
+
+def test_moonlights_remote_tokenizer_loads_through_axolotls_own_loader(work):
+    """axolotl 0.19's transformers (5.16.1) has no ``bytes_to_unicode`` where Moonlight's tokenizer code imports
+    it from: the plugin puts it back at ``register``, so axolotl's own loader gets the vendor's class, which
+    encodes as tiktoken does on the same ranks."""
+    from tests.moonshot_tokenizer import moonshot_tokenizer_dir, standin_pattern
+
+    moon = moonshot_tokenizer_dir(work["tmp"] / "moonshot-tok")
+    path = axolotl_yaml(work, "moonlight", "moonshot-tokenizer", {"anchor": {"method": "rpb"}},
+                        tokenizer_config=str(moon), trust_remote_code=True)  # fmt: skip
+    text = "What is 2+2? It is 4. 专家路由 don't"
+    done = under_axolotl(["-c", LOAD_TOKENIZER, str(path), text], work["tmp"])
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    reference = tiktoken.Encoding(
+        "reference",
+        pat_str=standin_pattern(),
+        mergeable_ranks=load_tiktoken_bpe(str(moon / "tiktoken.model")),
+        special_tokens={},
+    )
+    assert loaded == {"class": "TikTokenTokenizer", "ids": reference.encode(text)}

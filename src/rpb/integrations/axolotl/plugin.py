@@ -4,7 +4,9 @@ Tested against axolotl 0.19.0 (``TESTED_AXOLOTL``; docs/training.md says how to 
 axolotl calls them (``axolotl.cli.config.load_cfg``, ``axolotl.cli.train.do_train``, ``axolotl.train``):
 
 * ``register``: the YAML as written is checked and completed (``read_axolotl_config``) before axolotl
-  validates it, so non-reentrant checkpointing is in place before axolotl's default (reentrant) is.
+  validates it, so non-reentrant checkpointing is in place before axolotl's default (reentrant) is; with
+  ``trust_remote_code``, Moonlight's and the Kimi line's remote tokenizers are made importable
+  (``rpb.models.remote_tokenizer_imports``) before axolotl loads one.
 * ``load_datasets``: the one ``datasets:`` file is labelled by rpb (``load_labelled`` with axolotl's own
   tokenizer), not tokenized by axolotl, so every token keeps the (sample, span) key of the prior.
 * ``post_model_build``: the prior is checked against the base model, tokenizer and data file (the errors of
@@ -36,7 +38,7 @@ from rpb.data.reasoning import note_reasoning
 from rpb.errors import ConfigError
 from rpb.fileio import write_text_atomic
 from rpb.integrations.axolotl.config import AxolotlRun, read_axolotl_config
-from rpb.models import pad_id_of
+from rpb.models import pad_id_of, remote_tokenizer_imports
 from rpb.train import AnchorTrainerMixin, attach_anchor
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ class RpbPlugin(BasePlugin):
         if axolotl.__version__ != TESTED_AXOLOTL:
             logger.warning("rpb: axolotl %s; the plugin is tested against %s", axolotl.__version__, TESTED_AXOLOTL)
         self.run = read_axolotl_config(cfg)
+        if cfg.get("trust_remote_code"):  # before axolotl loads any tokenizer: Moonlight's and Kimi's remote
+            remote_tokenizer_imports()  # tokenizer code imports a function axolotl's transformers 5 moved
 
     def load_datasets(self, cfg, preprocess: bool = False) -> TrainDatasetMeta:
         run = self._run(cfg)
