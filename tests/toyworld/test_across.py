@@ -97,3 +97,26 @@ def test_the_beta_rule_regret_against_hand_computed_figures():
     # base 1: 2, 4, 6 -> mean 4; three seeds drawn with replacement: the 2.5% quantile is 2 (1/27 of draws)
     assert lines[3] == "| 1 | math_post | 0.5 | 0, 0.5, 1 | 0 | +4.0 [+2.0, +6.0] | no |"
     assert lines[4] == "| 2 | math_post | 0.25 | — | — | not run | — |"
+
+
+def test_a_grid_without_sft_pairs_each_beta_with_its_beta_0_arm():
+    """The beta grid has no sft arm: its rpb beta=0 arm (sft bit for bit) is the reference, so every other beta
+    gets its paired difference; the figures are hand-computed."""
+    from rpb.toyworld.across import scores_table
+
+    arms = ("rpb beta=0", "rpb beta=1")
+    results = []
+    # ID: base 0 beta 0 50, 60 and beta 1 40, 44 (-10, -16: mean -13); base 1 30, 30 and 35, 25 (+5, -5: 0);
+    # all four pairs: -6.5. OOD 20 everywhere: 0.
+    for base, seed, zero, one in ((0, 42, 0.50, 0.40), (0, 43, 0.60, 0.44), (1, 42, 0.30, 0.35), (1, 43, 0.30, 0.25)):
+        for label, beta, id_ in ((arms[0], 0.0, zero), (arms[1], 1.0, one)):
+            results.append({**_cell(base, "rpb", seed, id_, 0.2, beta=beta), "arm": label, "id": id_, "ood": 0.2})
+    table = scores_table(results, "math_post", arms)
+    assert "each method minus rpb beta=0 (sft bit for bit) on the same base and seed" in table
+    row = next(line for line in table.splitlines() if line.startswith("| rpb beta=1 |")).split(" | ")
+    assert row[2].startswith("-6.5 [") and row[3] == "b0 -13.0 / b1 +0.0"
+    assert row[5].startswith("+0.0 [+0.0, +0.0]") and "Δ ID vs rpb beta=0 [95% CI]" in table
+    assert "Minimal detectable difference against rpb beta=0" in table and "4 pairs" in table
+    # with an sft arm, sft stays the reference
+    assert "minus sft on the same base" in scores_table([{**r, "arm": "sft"} for r in results[:1]], "math_post",
+                                                        ("sft", *arms))  # fmt: skip

@@ -1,6 +1,7 @@
 """A grid on several bases: one ``Study`` per base (``base<seed>/``), then the report across them.
 
-The tables pair every method with ``sft`` on the same (base, seed) and give the mean difference with
+The tables pair every method with ``sft`` (in the beta grid, which has none, with its beta-0 arm, ``sft`` bit
+for bit) on the same (base, seed) and give the mean difference with
 a 95% interval from the two-stage bootstrap (bases, then seeds within them), each base's own mean
 difference beside it, and under each table the minimal detectable difference of those pairs. Then
 the mechanism (what the bias did to the routing), each base's calibrated beta, the paper's claims
@@ -37,8 +38,17 @@ def _mean_sd(values: list[float], digits: int = 1) -> str:
     return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def _difference(results, post_set, arm, metric) -> tuple[str, str, list[float]]:
-    d = paired_differences(results, post_set, arm, REFERENCE, metric)
+def reference_arm(results: list[dict], arms: tuple[str, ...]) -> str:
+    """The arm every method is paired with: ``sft``, or in a grid without it (``beta``) its rpb arm at beta 0,
+    which trains as ``sft`` does bit for bit (tests/test_train.py)."""
+    if REFERENCE in arms:
+        return REFERENCE
+    zero = [a for a in arms if any(r["arm"] == a and r["method"] == "rpb" and _beta_of(r) == 0.0 for r in results)]
+    return zero[0] if zero else REFERENCE
+
+
+def _difference(results, post_set, arm, metric, reference=REFERENCE) -> tuple[str, str, list[float]]:
+    d = paired_differences(results, post_set, arm, reference, metric)
     if not d:
         return "—", "—", []
     lo, hi = interval(two_stage_bootstrap(d))
@@ -63,9 +73,11 @@ def bases_table(studies: list) -> str:
 
 def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> str:
     rows = [r for r in results if r["set"] == post_set]
-    header = ["method"] + [f"{m} %" if k == 0 else f"Δ {m} vs sft [95% CI]" if k == 1 else f"Δ {m} per base"
+    ref = reference_arm(results, arms)
+    named = ref if ref == REFERENCE else f"{ref} (sft bit for bit)"
+    header = ["method"] + [f"{m} %" if k == 0 else f"Δ {m} vs {ref} [95% CI]" if k == 1 else f"Δ {m} per base"
                            for m in ("ID", "OOD") for k in range(3)]  # fmt: skip
-    lines = [f"### {post_set}: exact match, and each method minus sft on the same base and seed", "",
+    lines = [f"### {post_set}: exact match, and each method minus {named} on the same base and seed", "",
              "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]  # fmt: skip
     mdd = []
     for arm in arms:
@@ -74,14 +86,14 @@ def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> s
             continue
         row = [arm]
         for metric in ("id", "ood"):
-            estimate, per_base, flat = _difference(results, post_set, arm, metric) if arm != REFERENCE else ("", "", [])
+            estimate, per_base, flat = _difference(results, post_set, arm, metric, ref) if arm != ref else ("", "", [])
             row += [_mean_sd([points(r, metric) for r in cells]), estimate, per_base]
             if len(flat) > 1:
                 sd = statistics.stdev(flat)
                 mdd.append(f"{arm} {metric.upper()} {minimal_detectable_difference(sd, len(flat)):.1f} (sd {sd:.1f})")
         lines.append("| " + " | ".join(row) + " |")
-    pairs = len([r for r in rows if r["arm"] == REFERENCE])
-    legend = (f"Minimal detectable difference against sft (α 0.05 two-sided, power 0.8, t with pairs − 1 degrees "
+    pairs = len([r for r in rows if r["arm"] == ref])
+    legend = (f"Minimal detectable difference against {ref} (α 0.05 two-sided, power 0.8, t with pairs − 1 degrees "
               f"of freedom on the paired SD; {pairs} pairs), points: ")  # fmt: skip
     lines += ["", legend + ("; ".join(mdd) or "n/a"), ""]
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from rpb.anchors import get_method
 from rpb.errors import RpbError
 from rpb.fileio import atomic_path
 from rpb.toyworld.across import report_across, studies
-from rpb.toyworld.experiment import Grid, GridChangedError, Study
+from rpb.toyworld.experiment import Grid, GridChangedError, Study, _quiet_loading
 from rpb.toyworld.world import PostRecipe
 
 #: what a base's report reads back, as glob patterns under its run folder
@@ -111,7 +111,8 @@ def ship(grid: Grid, out: Path, dest: Path, cache_dir=None) -> str:
     lines = []
     for st in studies(grid, out, cache_dir, progress=False):
         try:
-            lines.append(f"base {st.base_seed}: {len(ship_base(st, dest))} files to {Path(dest) / st.out.name}")
+            with _quiet_loading():  # the calibration's model loads
+                lines.append(f"base {st.base_seed}: {len(ship_base(st, dest))} files to {Path(dest) / st.out.name}")
         except NotFinishedError as err:
             lines.append(f"base {st.base_seed}: not shipped ({err})")
     report_shipped(grid, dest)
