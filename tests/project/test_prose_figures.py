@@ -150,3 +150,42 @@ def test_the_headline_sections_prose_is_the_shipped_grid():
     section = flat(TOYWORLD.split("## The headline grid: three bases", 1)[1].split("####", 1)[0])
     assert f"{cells} cells" in section
     assert ", ".join(f"{w} on base {b}" for b, w in enumerate(chosen)) in section
+
+
+def test_the_beta_grids_section_is_its_shipped_report():
+    """The beta grid's tables in docs/toyworld.md are its shipped report's, its cell count is the shipped one,
+    and the cross-machine agreement it states is computed from both grids' shipped cells."""
+    import json
+
+    shipped = ROOT / "docs" / "results" / "beta"
+    report = sections((shipped / "tables.md").read_text(), "###")
+    body = TOYWORLD.split("## The beta grid: six betas", 1)[1].split("\n## ", 1)[0]
+    quoted = sections(body.split("**What base 0 says**", 1)[0], "####")
+    assert len(quoted) == 5 and all(report[title] == table for title, table in quoted.items())
+    bases = sorted(p.name for p in shipped.glob("base*") if p.is_dir())
+    cells = len(list(shipped.glob("base0/runs/*/*/seed*/result.json")))
+    assert bases == ["base0"] and f"base 0's {cells} cells" in flat(body) and "(under way: base 0 of 3)" in body
+    beta = json.loads((shipped / "results.json").read_text())
+    headline = json.loads((ROOT / "docs" / "results" / "headline" / "results.json").read_text())
+    gaps = []
+    for here, there in (("rpb beta=0", "sft"), ("rpb beta=1", "rpb")):
+        for r in (r for r in beta if r["arm"] == here and r["set"] == "math_post"):
+            (h,) = [x for x in headline if (x["arm"], x["base"], x["set"], x["seed"]) == (there, 0, "math_post",
+                                                                                         r["seed"])]  # fmt: skip
+            gaps.append(abs(100 * (r["id"] - h["id"])))
+    assert len(gaps) == 6 and f"differ by at most {max(gaps):.1f} points seed by seed" in flat(body)
+
+
+def test_the_readmes_beta_grid_figures_are_its_shipped_reports():
+    report = sections((ROOT / "docs" / "results" / "beta" / "tables.md").read_text(), "###")
+    math = report[
+        "math_post: exact match, and each method minus rpb beta=0 (sft bit for bit) on the same base and seed"
+    ]
+    by_arm = {ln.split(" | ")[0].strip("| "): ln.split(" | ") for ln in math.splitlines() if ln.startswith("| rpb")}
+    regret = next(ln for ln in report[next(t for t in report if t.startswith("The beta rule"))].splitlines()
+                  if "| math_post |" in ln).split(" | ")  # fmt: skip
+    assert regret[2] == "0.25" and regret[4] == "0"  # the rule's beta, and the best: no bias at all
+    phrases = [f"beta 1 {unicode_minus(by_arm['rpb beta=1'][2])}", f"`rpb-hard` {unicode_minus(by_arm['rpb hard'][2])}",
+               f"the rule's 0.25 there by {regret[5].replace('+', '')} validation points"]  # fmt: skip
+    for phrase in phrases:
+        assert flat(phrase) in flat(README), phrase
