@@ -22,7 +22,13 @@ FSDP_WORKER = Path(__file__).parent / "workers" / "fsdp_worker.py"
 
 def run(cmd, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, **kw)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, **kw)
+    except subprocess.TimeoutExpired as err:  # a hang: say where the ranks had got to
+        tails = [(out.decode(errors="replace") if isinstance(out, bytes) else out or "")[-3000:]
+                 for out in (err.stdout, err.stderr)]  # fmt: skip
+        said = f"stdout:\n{tails[0]}\nstderr:\n{tails[1]}"
+        pytest.fail(f"{' '.join(map(str, cmd))[:400]}: no exit after {err.timeout} s\n{said}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
