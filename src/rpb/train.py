@@ -298,13 +298,9 @@ FILL_UNINITIALIZED_MEMORY = False
 
 @contextlib.contextmanager
 def deterministic_algorithms(enabled: bool = True):
-    """Deterministic kernels for the duration of the block; the caller's setting comes back after.
-
-    Why it matters even on CPU: the backward of the experts' token gather accumulates with
-    ``index_put_(accumulate=True)``, which adds in thread order, so the same step run twice
-    gives gradients ~1e-7 apart, and 500 steps later the same cell scores a point apart. The
-    deterministic kernel sorts the indices first (measured on 2 cores: no slower).
-    """
+    """Deterministic kernels for the block; the caller's setting comes back after. Even on CPU: the experts'
+    token-gather backward adds in thread order (``index_put_(accumulate=True)``), so one step run twice differs
+    by ~1e-7 and a 500-step cell by a point; the deterministic kernel sorts first (on 2 cores: no slower)."""
     if not enabled:
         yield
         return
@@ -443,17 +439,12 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
         steps = {"global_step": trainer.state.global_step, "resumed_from": resume}
         record = {"config": asdict(cfg), **prepared.info, **steps}
         write_text_atomic(out / "rpb_run.json", json.dumps(record, indent=1, default=str))
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    group = torch.distributed.group.WORLD if distributed else None
-    if distributed:
-        torch.distributed.barrier()
-    # The DDP (or FSDP) wrapper is freed here, while `group` still holds the process group. Freed last by
-    # DDP's Reducer, a gloo group joins its worker threads with the GIL held, and a worker still releasing the
-    # tensors of the collective just finished waits for that GIL: the run hangs (seen in about 1 run in 25
-    # of a 2-rank gloo `rpb train`, torch 2.13). The group's own binding releases the GIL when it frees it.
-    del trainer, prepared
+    dist = torch.distributed
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if group is not None:
+        dist.barrier()
+    del trainer, prepared  # before the group: DDP's Reducer freeing a gloo group last can hang (docs/training.md)
     gc.collect()
-    if distributed and owns_group:
-        torch.distributed.destroy_process_group()
-    del group
+    if group is not None and owns_group:
+        dist.destroy_process_group()
     return out
