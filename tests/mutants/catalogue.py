@@ -737,4 +737,14 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_moonlights_remote_tokenizer_loads_through_axolotls_own_loader",
         ),
     ),
+    Mutant(
+        name="beta_grid_paired_with_a_missing_sft",
+        story="a grid without an sft arm (beta) still pairs every method with sft: its scores tables carry no "
+        "differences at all",
+        path="toyworld/across.py",
+        function="reference_arm",
+        pattern=r"    return zero\[0\] if zero else REFERENCE",
+        replacement="    return REFERENCE",
+        tests=("tests/toyworld/test_across.py::test_a_grid_without_sft_pairs_each_beta_with_its_beta_0_arm",),
+    ),
 )
