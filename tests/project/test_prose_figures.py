@@ -152,28 +152,42 @@ def test_the_headline_sections_prose_is_the_shipped_grid():
     assert ", ".join(f"{w} on base {b}" for b, w in enumerate(chosen)) in section
 
 
+def shipped_so_far(bases: list[int], of: int = 3) -> str:
+    """How a section under way names its shipped bases: "base 0 of 3", "bases 0 and 1 of 3"; "" when whole."""
+    if len(bases) == of:
+        return ""
+    named = " and ".join(str(b) for b in bases)
+    return f"base{'s' if len(bases) > 1 else ''} {named} of {of}"
+
+
+def test_shipped_so_far_names_the_bases_in_order():
+    assert [shipped_so_far(b) for b in ([0], [0, 1], [0, 1, 2])] == ["base 0 of 3", "bases 0 and 1 of 3", ""]
+
+
 def test_the_beta_grids_section_is_its_shipped_report():
-    """The beta grid's tables in docs/toyworld.md are its shipped report's, its cell count is the shipped one,
-    and the cross-machine agreement it states is computed from both grids' shipped cells."""
+    """The beta grid's tables in docs/toyworld.md are its shipped report's, its heading and cell count follow the
+    bases shipped, and the cross-machine agreement it states is computed from both grids' shipped cells."""
     import json
 
     shipped = ROOT / "docs" / "results" / "beta"
     report = sections((shipped / "tables.md").read_text(), "###")
-    body = TOYWORLD.split("## The beta grid: six betas", 1)[1].split("\n## ", 1)[0]
-    quoted = sections(body.split("**What base 0 says**", 1)[0], "####")
+    heading, body = TOYWORLD.split("## The beta grid: six betas", 1)[1].split("\n## ", 1)[0].split("\n", 1)
+    quoted = sections(body.split("**What the shipped bases say**", 1)[0], "####")
     assert len(quoted) == 5 and all(report[title] == table for title, table in quoted.items())
-    bases = sorted(p.name for p in shipped.glob("base*") if p.is_dir())
-    cells = len(list(shipped.glob("base0/runs/*/*/seed*/result.json")))
-    assert bases == ["base0"] and f"base 0's {cells} cells" in flat(body) and "(under way: base 0 of 3)" in body
+    bases = sorted(int(p.name.removeprefix("base")) for p in shipped.glob("base*") if p.is_dir())
+    cells = len(list(shipped.glob("base*/runs/*/*/seed*/result.json")))
+    under_way = shipped_so_far(bases)
+    assert heading.strip() == (f"(under way: {under_way})" if under_way else "")
+    assert f"Shipped so far: {cells} cells" in flat(body) or (not under_way and f"all {cells} cells" in flat(body))
     beta = json.loads((shipped / "results.json").read_text())
     headline = json.loads((ROOT / "docs" / "results" / "headline" / "results.json").read_text())
     gaps = []
     for here, there in (("rpb beta=0", "sft"), ("rpb beta=1", "rpb")):
         for r in (r for r in beta if r["arm"] == here and r["set"] == "math_post"):
-            (h,) = [x for x in headline if (x["arm"], x["base"], x["set"], x["seed"]) == (there, 0, "math_post",
-                                                                                         r["seed"])]  # fmt: skip
+            (h,) = [x for x in headline if (x["arm"], x["base"], x["set"], x["seed"]) == (there, r["base"],
+                                                                                         "math_post", r["seed"])]  # fmt: skip
             gaps.append(abs(100 * (r["id"] - h["id"])))
-    assert len(gaps) == 6 and f"differ by at most {max(gaps):.1f} points seed by seed" in flat(body)
+    assert len(gaps) == 6 * len(bases) and f"differ by at most {max(gaps):.1f} points seed by seed" in flat(body)
 
 
 def test_the_readmes_beta_grid_figures_are_its_shipped_reports():
