@@ -184,8 +184,8 @@ def test_the_beta_grids_section_is_its_shipped_report():
     gaps = []
     for here, there in (("rpb beta=0", "sft"), ("rpb beta=1", "rpb")):
         for r in (r for r in beta if r["arm"] == here and r["set"] == "math_post"):
-            (h,) = [x for x in headline if (x["arm"], x["base"], x["set"], x["seed"]) == (there, r["base"],
-                                                                                         "math_post", r["seed"])]  # fmt: skip
+            key = (there, r["base"], "math_post", r["seed"])
+            (h,) = [x for x in headline if (x["arm"], x["base"], x["set"], x["seed"]) == key]
             gaps.append(abs(100 * (r["id"] - h["id"])))
     assert len(gaps) == 6 * len(bases) and f"differ by at most {max(gaps):.1f} points seed by seed" in flat(body)
 
