@@ -180,6 +180,11 @@ def _experiment(args) -> int:
         return 0
     from rpb.toyworld.lanes import default_lanes
 
+    if args.resume_from:
+        from rpb.toyworld.shipping import resume_from
+
+        print(resume_from(GRIDS[args.grid], out, args.resume_from))
+
     tables = run_grid(GRIDS[args.grid], out, args.cache_dir, not args.no_progress, args.keep_checkpoints,
                       lanes=args.lanes or default_lanes())  # fmt: skip
     print(tables)
@@ -388,10 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--keep-checkpoints", action="store_true", help="keep every trained model (about 20 MB each)")
     x.add_argument("--no-progress", action="store_true")
     x.add_argument("--lanes", type=_positive_int, help=LANES_HELP)
-    x.add_argument("--ship", metavar="DIR",
-                   help="train nothing: copy each base of --out whose runs are all finished to DIR/base<seed>/ "
-                   "(its cells, set-up, selection, scores, calibration, facts), then write the report over the "
-                   "shipped bases in DIR (docs/results/<grid> in this repository)")  # fmt: skip
+    shipped = x.add_mutually_exclusive_group()
+    shipped.add_argument("--ship", metavar="DIR",
+                         help="train nothing: copy each base of --out whose runs are all finished to DIR/base<seed>/ "
+                         "(its cells, set-up, selection, scores, calibration, facts), and the finished runs of a base "
+                         "still running to DIR/unfinished/base<seed>/; then write the report over the whole bases "
+                         "shipped in DIR (docs/results/<grid> in this repository)")  # fmt: skip
+    shipped.add_argument("--resume-from", metavar="DIR",
+                         help="first put the runs shipped in DIR (docs/results/<grid>: its bases and unfinished/) "
+                         "into --out, so that they are read back instead of run again; then run the rest")  # fmt: skip
     x.set_defaults(func=_experiment)
     return p
 

@@ -725,6 +725,29 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/toyworld/test_shipping.py::test_a_finished_base_ships_its_result_files_and_nothing_else",),
     ),
     Mutant(
+        name="ship_drops_a_running_bases_runs",
+        story="rpb experiment --ship keeps nothing of a base still running: its finished cells die with the "
+        "machine, and a grid longer than a working day never finishes",
+        path="toyworld/shipping.py",
+        function="ship",
+        pattern=r"if \(st\.out / \"grid\.json\"\)\.is_file\(\) and any\(",
+        replacement="if False and any(",
+        tests=(
+            "tests/toyworld/test_shipping.py::"
+            "test_a_base_still_running_keeps_its_finished_runs_aside_until_it_ships_whole",
+        ),
+    ),
+    Mutant(
+        name="resume_writes_over_the_run_folder",
+        story="rpb experiment --resume-from copies the shipped files over the run folder's own: a cell the run "
+        "folder finished is replaced by another machine's",
+        path="toyworld/shipping.py",
+        function="resume_from",
+        pattern=r" and not \(st\.out / p\.relative_to\(source\)\)\.exists\(\)",
+        replacement="",
+        tests=("tests/toyworld/test_shipping.py::test_resume_from_never_writes_over_the_run_folder",),
+    ),
+    Mutant(
         name="axolotl_remote_tokenizer_left_unimportable",
         story="the axolotl plugin leaves Moonlight's remote tokenizer code unimportable under axolotl's "
         "transformers 5: axolotl's own tokenizer loader fails before training starts",

@@ -45,24 +45,62 @@ def test_every_finished_grid_is_shipped_whole():
             assert _bases(name) == list(GRIDS[name].bases[: len(_bases(name))]) and _bases(name), name
 
 
+def _pins_todays_grid(folder: Path, grid, b: int) -> dict:
+    """The base folder's grid.json: today's grid on the shipped base b (bases/bases.json's sha256)."""
+    pinned = json.loads((folder / "grid.json").read_text())
+    assert pinned["grid"] == json.loads(json.dumps(asdict(grid))) and pinned["post_recipe"]["base"]["seed"] == b
+    assert (
+        pinned["base_sha256"] == json.loads((ROOT / "bases" / "bases.json").read_text())[f"base{b}"]["weights_sha256"]
+    )
+    return pinned
+
+
+def _cells_on(folder: Path, b: int) -> list[Path]:
+    """The folder's cells, each run on base b, with its machine and threads."""
+    found = list((folder / "runs").glob("*/*/*/result.json"))
+    for path in found:
+        cell = json.loads(path.read_text())
+        assert cell["base"] == b and cell["machine"] and cell["threads"] >= 1
+    return found
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_base_under_way_keeps_only_finished_runs_of_todays_grid(name):
+    """docs/results/<grid>/unfinished/base<seed>/ (rpb experiment --ship of a base still running): a base of the
+    grid not shipped whole yet, pinning today's grid on the shipped base, holding its grid.json and finished
+    runs of that grid alone (each cell's own record says the same set, arm and seed as its folder)."""
+    grid = GRIDS[name]
+    kept = sorted(p for p in (RESULTS / name / "unfinished").glob("*") if p.is_dir())
+    if name not in UNDER_WAY:
+        assert not kept, "a grid shipped whole keeps no unfinished base"
+    for folder in kept:
+        b = int(folder.name.removeprefix("base"))
+        assert folder.name == f"base{b}" and b in grid.bases and b not in _bases(name)
+        _pins_todays_grid(folder, grid, b)
+        arms = {a.slug: a.label for a in grid.arms}
+        for path in _cells_on(folder, b):
+            s, slug, seed = path.relative_to(folder / "runs").parts[:3]
+            cell = json.loads(path.read_text())
+            assert (cell["set"], cell["arm"], f"seed{cell['seed']}") == (s, arms[slug], seed)
+            assert s in grid.sets and cell["seed"] in grid.seeds
+        runs = {p.relative_to(folder) for p in folder.rglob("*") if p.is_file()}
+        assert all(p.name == "result.json" and p.parts[0] in ("runs", "selection") for p in runs - {Path("grid.json")})
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_each_base_pins_todays_grid(name):
     """Each base folder pins today's grid and the shipped base's sha256; it holds every cell of the grid (and
     of its weight selection), each on that base, with its machine and threads."""
-    grid, pins = GRIDS[name], json.loads((ROOT / "bases" / "bases.json").read_text())
+    grid = GRIDS[name]
     cells = {(s, a.slug, f"seed{seed}") for s in grid.sets for a in grid.arms for seed in grid.seeds}
     for b in _bases(name):
         folder = RESULTS / name / f"base{b}"
-        pinned = json.loads((folder / "grid.json").read_text())
-        assert pinned["grid"] == json.loads(json.dumps(asdict(grid))) and pinned["post_recipe"]["base"]["seed"] == b
+        pinned = _pins_todays_grid(folder, grid, b)
         facts = json.loads((folder / "base_facts.json").read_text())
-        assert pinned["base_sha256"] == facts["weights_sha256"] == pins[f"base{b}"]["weights_sha256"]
-        found = list((folder / "runs").glob("*/*/*/result.json"))
+        assert pinned["base_sha256"] == facts["weights_sha256"]
+        found = _cells_on(folder, b)
         assert {tuple(p.relative_to(folder / "runs").parts[:3]) for p in found} == cells
         assert len(found) == len(grid.sets) * len(grid.arms) * len(grid.seeds)
-        for path in found:
-            cell = json.loads(path.read_text())
-            assert cell["base"] == b and cell["machine"] and cell["threads"] >= 1
         selection = list((folder / "selection").glob("*/result.json"))
         if grid.coefficients is None:
             weighted = {a.method for a in grid.arms if get_method(a.method).coefficient}

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from rpb.cli import main
+from rpb.toyworld.across import studies
 from rpb.toyworld.experiment import GRIDS, GridChangedError
-from rpb.toyworld.shipping import NotFinishedError, ship, ship_base, shipped_studies
+from rpb.toyworld.shipping import NotFinishedError, cell_paths, resume_from, ship, ship_base, shipped_studies
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADLINE = ROOT / "docs" / "results" / "headline"
@@ -93,3 +94,82 @@ def test_a_destination_pinning_another_set_up_is_refused(tmp_path):
 def test_a_one_base_grid_is_not_shipped_this_way(tmp_path):
     with pytest.raises(ValueError, match="runs on one base"):
         ship(GRIDS["demo"], tmp_path / "run", tmp_path / "dest")
+
+
+def test_a_base_still_running_keeps_its_finished_runs_aside_until_it_ships_whole(tmp_path):
+    run, dest = _run_folder(tmp_path), tmp_path / "dest"
+    unfinished = ("runs/math_post/sft/seed43", "runs/code_post/rpbcalibrated/seed46", "selection/lbl-0.1")
+    held = {c: (run / "base0" / c / "result.json").read_bytes() for c in unfinished}
+    for cell in unfinished:
+        (run / "base0" / cell / "result.json").unlink()
+    said = ship(GRID, run, dest)
+    kept = dest / "unfinished" / "base0"
+    assert "base 0: not shipped" in said and "base 0: 40 finished runs kept in" in said and "no report" in said
+    assert not (dest / "base0").exists() and not (dest / "tables.md").exists()
+    # its pinned set-up and its 40 finished runs (43 less the 3 unfinished: 38 cells, 2 selection runs), byte
+    # for byte, and nothing else: no scores, calibration, facts, data, priors or checkpoints
+    finished = {k: v for k, v in _files(HEADLINE / "base0").items()
+                if k.endswith("result.json") and not k.startswith(unfinished)}  # fmt: skip
+    assert _files(kept) == {"grid.json": (HEADLINE / "base0" / "grid.json").read_bytes(), **finished}
+    assert len(finished) == 40
+    # two more runs finish: the kept folder grows; the last one: the base ships whole, the kept folder goes
+    for cell in unfinished[:2]:
+        (run / "base0" / cell / "result.json").write_bytes(held[cell])
+    assert "42 finished runs kept" in ship(GRID, run, dest)
+    (run / "base0" / unfinished[2] / "result.json").write_bytes(held[unfinished[2]])
+    assert "base 0: 52 files" in ship(GRID, run, dest)
+    assert _files(dest / "base0") == _files(HEADLINE / "base0") and not (dest / "unfinished").exists()
+
+
+def _shipped_with_one_base_running(tmp_path) -> tuple[Path, list[str]]:
+    """docs/results/headline as it stood with base 0 whole and base 1 under way: 3 of base 1's runs unfinished"""
+    dest = tmp_path / "shipped"
+    shutil.copytree(HEADLINE / "base0", dest / "base0")
+    shutil.copytree(HEADLINE / "base1", dest / "unfinished" / "base1")
+    unfinished = ["runs/math_post/lbl/seed42", "runs/code_post/rpb/seed45", "selection/lbl-0.001"]
+    kept = dest / "unfinished" / "base1"
+    for path in [p for p in kept.rglob("*") if p.is_file()]:
+        if path.name not in ("result.json", "grid.json") or str(path.parent.relative_to(kept)) in unfinished:
+            path.unlink()
+    return dest, unfinished
+
+
+def test_resume_from_puts_every_shipped_run_back_and_leaves_the_unfinished_to_run(tmp_path):
+    dest, unfinished = _shipped_with_one_base_running(tmp_path)
+    run = tmp_path / "run"
+    said = resume_from(GRID, run, dest)
+    assert said.splitlines()[0].startswith("base 0: 43 finished runs from") and "(52 files)" in said
+    assert said.splitlines()[1].startswith("base 1: 40 finished runs from") and "(41 files)" in said
+    assert len(said.splitlines()) == 2  # base 2: nothing shipped, nothing made
+    assert _files(run / "base0") == _files(HEADLINE / "base0") and not (run / "base2").exists()
+    (base1,) = [st for st in studies(GRID, run, progress=False) if st.base_seed == 1]
+    missing = sorted(str(p.parent.relative_to(run / "base1")) for p in cell_paths(base1) if not p.is_file())
+    assert missing == sorted(unfinished)
+    for p in cell_paths(base1):  # a run put back is the shipped one, byte for byte
+        if p.is_file():
+            assert p.read_bytes() == (HEADLINE / "base1" / p.relative_to(run / "base1")).read_bytes()
+
+
+def test_resume_from_never_writes_over_the_run_folder(tmp_path):
+    dest, _ = _shipped_with_one_base_running(tmp_path)
+    run = tmp_path / "run"
+    mine = run / "base1" / "runs" / "math_post" / "sft" / "seed42" / "result.json"
+    mine.parent.mkdir(parents=True)
+    mine.write_text('{"this run folder": "its own result"}')
+    resume_from(GRID, run, dest)
+    assert mine.read_text() == '{"this run folder": "its own result"}'
+    # a run folder pinning another set-up: refused before any file is copied, for every base
+    other = tmp_path / "other"
+    (other / "base1").mkdir(parents=True)
+    pinned = json.loads((HEADLINE / "base1" / "grid.json").read_text())
+    pinned["base_sha256"] = "0" * 64
+    (other / "base1" / "grid.json").write_text(json.dumps(pinned))
+    with pytest.raises(GridChangedError, match="pins another set-up"):
+        resume_from(GRID, other, dest)
+    assert [str(p.relative_to(other)) for p in other.rglob("*") if p.is_file()] == ["base1/grid.json"]
+
+
+def test_ship_and_resume_from_are_not_given_together(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["experiment", "--grid", "beta", "--out", str(tmp_path), "--ship", "a", "--resume-from", "b"])
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -5,6 +5,10 @@ soon as all of them are finished, with everything the report reads back: the pin
 the weight selection, the base's facts and scores, its calibration. Nothing that can be remade from the
 recipe travels (data, priors, the probe set) and nothing large (checkpoints, retention folders).
 
+A base still running keeps its finished runs in ``unfinished/base<seed>/`` (with its ``grid.json``), which
+the report never reads: ``rpb experiment --resume-from docs/results/<grid>`` puts every shipped run back in
+a fresh run folder, so a grid goes on across machines without rerunning a finished cell.
+
 Beside the base folders, ``tables.md``, ``results.json`` and ``bases.json`` are the report over the bases
 shipped so far (its title names them); tests/project/test_shipped_results.py makes it again from the shipped
 files alone, so a figure in them is always the code's own.
@@ -12,6 +16,7 @@ files alone, so a figure in them is always the code's own.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -29,6 +34,10 @@ SHIPPED_FILES = (
     "grid.json", "selection.json", "base_facts.json", "base_scores/*.json", "calibration/*/calibrate.json",
     "calibration/*/calibrate.md", "selection/*/result.json", "runs/*/*/*/result.json",
 )  # fmt: skip
+
+
+#: where a base with unfinished runs keeps its finished ones, under the grid's shipping folder
+UNFINISHED = "unfinished"
 
 
 class NotFinishedError(RpbError):
@@ -51,6 +60,12 @@ def _needs_calibration(grid: Grid) -> bool:
     return grid.name == "beta" or any(a.calibrated for a in grid.arms)
 
 
+def _refuse_another_set_up(st: Study, target: Path) -> None:
+    pinned = target / "grid.json"
+    if pinned.is_file() and json.loads(pinned.read_text()) != json.loads((st.out / "grid.json").read_text()):
+        raise GridChangedError(f"{pinned}: the shipped base pins another set-up than {st.out / 'grid.json'}")
+
+
 def ship_base(st: Study, dest: Path) -> list[Path]:
     """Copy a finished base's files to ``dest/<its folder name>/``; returns the shipped paths.
 
@@ -68,9 +83,7 @@ def ship_base(st: Study, dest: Path) -> list[Path]:
         for s in st.grid.sets:
             st.calibration(s)
     target = Path(dest) / st.out.name
-    pinned = target / "grid.json"
-    if pinned.is_file() and json.loads(pinned.read_text()) != json.loads((st.out / "grid.json").read_text()):
-        raise GridChangedError(f"{pinned}: the shipped base pins another set-up than {st.out / 'grid.json'}")
+    _refuse_another_set_up(st, target)
     shipped = []
     for pattern in SHIPPED_FILES:
         for source in sorted(st.out.glob(pattern)):
@@ -79,6 +92,47 @@ def ship_base(st: Study, dest: Path) -> list[Path]:
                 shutil.copyfile(source, tmp)
             shipped.append(path)
     return shipped
+
+
+def keep_unfinished(st: Study, dest: Path) -> list[Path]:
+    """Copy a started base's finished runs and its ``grid.json`` to ``dest/unfinished/<its folder name>/``
+    (added to what an earlier call kept there); returns the paths of the runs kept there in all."""
+    target = Path(dest) / UNFINISHED / st.out.name
+    _refuse_another_set_up(st, target)
+    for source in [st.out / "grid.json", *(p for p in cell_paths(st) if p.is_file())]:
+        with atomic_path(target / source.relative_to(st.out)) as tmp:
+            shutil.copyfile(source, tmp)
+    return [p for p in cell_paths(dataclasses.replace(st, out=target)) if p.is_file()]
+
+
+def _several_bases(grid: Grid, out: Path) -> None:
+    if len(grid.bases) < 2:
+        raise RpbError(f"grid {grid.name!r} runs on one base: its results are its output folder {out}")
+
+
+def resume_from(grid: Grid, out: Path, dest: Path) -> str:
+    """Put the runs shipped in ``dest`` (whole bases and ``unfinished/``) back into the run folder ``out``, so
+    that ``rpb experiment`` reads them back instead of running them again; returns what was put, base by base.
+
+    Every file of a shipped base is copied (its scores, calibration and facts too), none over a file the run
+    folder holds already; a run folder or a shipped base that pins another set-up is refused before anything
+    is copied."""
+    _several_bases(grid, out)
+    pairs = []
+    for st in studies(grid, out, progress=False):
+        for source in (Path(dest) / st.out.name, Path(dest) / UNFINISHED / st.out.name):
+            if (source / "grid.json").is_file():
+                _refuse_another_set_up(dataclasses.replace(st, out=source), st.out)
+                pairs.append((st, source))
+    lines = []
+    for st, source in pairs:
+        copied = [p for p in sorted(source.rglob("*")) if p.is_file() and not (st.out / p.relative_to(source)).exists()]
+        for path in copied:
+            with atomic_path(st.out / path.relative_to(source)) as tmp:
+                shutil.copyfile(path, tmp)
+        runs = sum(p.name == "result.json" for p in copied)
+        lines.append(f"base {st.base_seed}: {runs} finished runs from {source} ({len(copied)} files)")
+    return "\n".join(lines) or f"{dest}: no run of grid {grid.name!r} shipped there"
 
 
 def shipped_studies(grid: Grid, dest: Path) -> list[Study]:
@@ -106,15 +160,24 @@ def report_shipped(grid: Grid, dest: Path) -> str:
 def ship(grid: Grid, out: Path, dest: Path, cache_dir=None) -> str:
     """Ship every base of the grid in ``out`` whose runs are all finished, then the report over the shipped
     bases; returns what was done, base by base."""
-    if len(grid.bases) < 2:
-        raise RpbError(f"grid {grid.name!r} runs on one base: its results are its output folder {out}")
+    _several_bases(grid, out)
     lines = []
     for st in studies(grid, out, cache_dir, progress=False):
+        kept = Path(dest) / UNFINISHED / st.out.name
         try:
             with _quiet_loading():  # the calibration's model loads
                 lines.append(f"base {st.base_seed}: {len(ship_base(st, dest))} files to {Path(dest) / st.out.name}")
+            shutil.rmtree(kept, ignore_errors=True)  # whole now: its unfinished runs are in the base's folder
         except NotFinishedError as err:
             lines.append(f"base {st.base_seed}: not shipped ({err})")
+            if (st.out / "grid.json").is_file() and any(p.is_file() for p in cell_paths(st)):
+                lines.append(f"base {st.base_seed}: {len(keep_unfinished(st, dest))} finished runs kept in {kept} "
+                             "(not in the report; rpb experiment --resume-from takes them back)")  # fmt: skip
+    with contextlib.suppress(OSError):  # no base left unfinished
+        (Path(dest) / UNFINISHED).rmdir()
+    if not shipped_studies(grid, dest):
+        lines.append(f"no whole base in {dest} yet: no report written")
+        return "\n".join(lines)
     report_shipped(grid, dest)
     lines.append(f"wrote {Path(dest) / 'tables.md'}, results.json and bases.json over the shipped bases")
     return "\n".join(lines)
