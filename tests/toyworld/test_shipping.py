@@ -116,9 +116,13 @@ def test_a_base_still_running_keeps_its_finished_runs_aside_until_it_ships_whole
     for cell in unfinished[:2]:
         (run / "base0" / cell / "result.json").write_bytes(held[cell])
     assert "42 finished runs kept" in ship(GRID, run, dest)
+    assert "base 1: not shipped" in ship(GRID, run, dest) and "not started" in ship(GRID, run, dest)
     (run / "base0" / unfinished[2] / "result.json").write_bytes(held[unfinished[2]])
     assert "base 0: 52 files" in ship(GRID, run, dest)
     assert _files(dest / "base0") == _files(HEADLINE / "base0") and not (dest / "unfinished").exists()
+    # a base shipped from another run folder (another machine) is said to be so, not "not started"
+    shutil.rmtree(run / "base0")
+    assert f"base 0: shipped already in {dest / 'base0'}, not run in {run}" in ship(GRID, run, dest)
 
 
 def _shipped_with_one_base_running(tmp_path) -> tuple[Path, list[str]]:
