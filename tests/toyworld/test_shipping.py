@@ -177,3 +177,21 @@ def test_ship_and_resume_from_are_not_given_together(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["experiment", "--grid", "beta", "--out", str(tmp_path), "--ship", "a", "--resume-from", "b"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_rpb_experiment_resume_from_puts_the_runs_back_before_the_grid_runs(tmp_path, capsys, monkeypatch):
+    import rpb.toyworld.across as across
+
+    dest, _ = _shipped_with_one_base_running(tmp_path)
+    run, seen = tmp_path / "run", {}
+
+    def run_grid(grid, out, *args, **kwargs):  # the grid itself is not run here: what it would find is recorded
+        seen["grid"], seen["found"] = grid.name, sorted(p for p in Path(out).rglob("result.json"))
+        return "tables"
+
+    monkeypatch.setattr(across, "run_grid", run_grid)
+    argv = ["experiment", "--grid", "headline", "--out", str(run), "--resume-from", str(dest), "--lanes", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("base 0: 43 finished runs from") and "base 1: 40 finished runs from" in out
+    assert seen["grid"] == "headline" and len(seen["found"]) == 43 + 40
