@@ -115,8 +115,8 @@ def resume_from(grid: Grid, out: Path, dest: Path) -> str:
     that ``rpb experiment`` reads them back instead of running them again; returns what was put, base by base.
 
     Every file of a shipped base is copied (its scores, calibration and facts too), none over a file the run
-    folder holds already; a run folder or a shipped base that pins another set-up is refused before anything
-    is copied."""
+    folder holds already. A run folder that pins another set-up than a shipped base is refused before anything
+    is copied; a shipped base of another set-up than today's grid is then refused by the run's own pin."""
     _several_bases(grid, out)
     pairs = []
     for st in studies(grid, out, progress=False):
