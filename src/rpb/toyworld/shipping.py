@@ -163,13 +163,13 @@ def ship(grid: Grid, out: Path, dest: Path, cache_dir=None) -> str:
     _several_bases(grid, out)
     lines = []
     for st in studies(grid, out, cache_dir, progress=False):
-        kept = Path(dest) / UNFINISHED / st.out.name
-        if not (st.out / "grid.json").is_file() and (Path(dest) / st.out.name / "grid.json").is_file():
-            lines.append(f"base {st.base_seed}: shipped already in {Path(dest) / st.out.name}, not run in {out}")
+        whole, kept = Path(dest) / st.out.name, Path(dest) / UNFINISHED / st.out.name
+        if not (st.out / "grid.json").is_file() and (whole / "grid.json").is_file():
+            lines.append(f"base {st.base_seed}: shipped already in {whole}, not run in {out}")
             continue
         try:
             with _quiet_loading():  # the calibration's model loads
-                lines.append(f"base {st.base_seed}: {len(ship_base(st, dest))} files to {Path(dest) / st.out.name}")
+                lines.append(f"base {st.base_seed}: {len(ship_base(st, dest))} files to {whole}")
             shutil.rmtree(kept, ignore_errors=True)  # whole now: its unfinished runs are in the base's folder
         except NotFinishedError as err:
             lines.append(f"base {st.base_seed}: not shipped ({err})")
