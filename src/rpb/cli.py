@@ -186,9 +186,10 @@ def _experiment(args) -> int:
         print(resume_from(GRIDS[args.grid], out, args.resume_from))
 
     tables = run_grid(GRIDS[args.grid], out, args.cache_dir, not args.no_progress, args.keep_checkpoints,
-                      lanes=args.lanes or default_lanes())  # fmt: skip
+                      lanes=args.lanes or default_lanes(), bases=args.bases)  # fmt: skip
     print(tables)
-    print(f"wrote {out}/tables.md and results.json ({time.perf_counter() - started:.0f} s this run)")
+    if args.bases is None or set(args.bases) >= set(GRIDS[args.grid].bases):
+        print(f"wrote {out}/tables.md and results.json ({time.perf_counter() - started:.0f} s this run)")
     return 0
 
 
@@ -393,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--keep-checkpoints", action="store_true", help="keep every trained model (about 20 MB each)")
     x.add_argument("--no-progress", action="store_true")
     x.add_argument("--lanes", type=_positive_int, help=LANES_HELP)
+    x.add_argument("--bases", type=int, nargs="+", metavar="SEED",
+                   help="run only these of the grid's bases (this machine's share of it) and write no report; "
+                   "`--ship DIR` from each machine's --out brings the bases together")  # fmt: skip
     shipped = x.add_mutually_exclusive_group()
     shipped.add_argument("--ship", metavar="DIR",
                          help="train nothing: copy each base of --out whose runs are all finished to DIR/base<seed>/ "

@@ -195,3 +195,19 @@ def test_rpb_experiment_resume_from_puts_the_runs_back_before_the_grid_runs(tmp_
     out = capsys.readouterr().out
     assert out.startswith("base 0: 43 finished runs from") and "base 1: 40 finished runs from" in out
     assert seen["grid"] == "headline" and len(seen["found"]) == 43 + 40
+
+
+def test_rpb_experiment_bases_runs_only_that_share_of_the_grid_and_writes_no_report(tmp_path, capsys, monkeypatch):
+    from rpb.toyworld.experiment import Study
+
+    ran = []
+    monkeypatch.setattr(Study, "run", lambda self: ran.append((self.base_seed, self.out)) or [{"cell": 1}])
+    argv = ["experiment", "--grid", "full", "--out", str(tmp_path), "--bases", "2", "--lanes", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    # the share runs in the folder the whole grid would use, so that --ship takes it as it takes any base
+    assert ran == [(2, tmp_path / "base2")]
+    assert "1 base(s) x" in out and "ran base(s) [2] of grid 'full' (1 cells)" in out
+    assert "no report" in out and "wrote" not in out and not (tmp_path / "tables.md").exists()
+    assert main([*argv[:-4], "--bases", "3", "--lanes", "1"]) == 2
+    assert "grid 'full' has bases [0, 1, 2]: no base [3]" in capsys.readouterr().err

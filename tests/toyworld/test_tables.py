@@ -46,3 +46,6 @@ def test_the_machine_mix_counts_cells_by_machine_and_threads():
     assert machine_mix(cells) == (
         "Cells ran on: 3 on Xeon at 1 thread; 1 on EPYC at 2 threads; 1 on machine not recorded at 1 thread."
     )
+    # the same CPU and thread count under two torch builds: two kinds of bits, each named
+    cells = [{"machine": "EPYC", "threads": 1, "torch": "2.11.0"}] + [{"machine": "EPYC", "threads": 1}] * 2
+    assert machine_mix(cells) == "Cells ran on: 2 on EPYC at 1 thread; 1 on EPYC at 1 thread with torch 2.11.0."

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 from rpb.anchors import AnchorConfig, get_method
+from rpb.errors import RpbError
 from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.claims import judge, verdict_table
 from rpb.toyworld.experiment import Grid, Study
@@ -220,12 +221,23 @@ def cost(grid: Grid, sts: list[Study]) -> str:
 
 
 def run_grid(grid: Grid, out: Path, cache_dir=None, progress: bool = True, keep_checkpoints: bool = False,
-             announce=print, lanes: int = 1) -> str:  # fmt: skip
+             announce=print, lanes: int = 1, bases: list[int] | None = None) -> str:  # fmt: skip
     """Every base's cells (finished ones are read back), then the report; returns the tables. ``lanes``: runs
-    side by side (rpb.toyworld.lanes)."""
+    side by side (rpb.toyworld.lanes). ``bases``: run only these of the grid's bases (one machine's share of
+    it, each base pinned as in the whole grid) and write no report: it needs every base, brought together
+    with ``rpb experiment --ship``."""
     sts = studies(grid, out, cache_dir, progress, keep_checkpoints, lanes)
+    if bases is not None:
+        unknown = sorted(set(bases) - set(grid.bases))
+        if unknown:
+            raise RpbError(f"grid {grid.name!r} has bases {list(grid.bases)}: no base {unknown}")
+        sts = [st for st in sts if st.base_seed in bases]
     announce(cost(grid, sts))
     results = [r for st in sts for r in st.run()]
+    if len(sts) < len(grid.bases):
+        return (f"ran base(s) {[st.base_seed for st in sts]} of grid {grid.name!r} ({len(results)} cells) in "
+                f"{out}: no report, which needs all of {list(grid.bases)}; `rpb experiment --ship DIR` brings "
+                "each machine's bases together")  # fmt: skip
     if len(sts) == 1:
         return sts[0].report(results)
     return report_across(grid, sts, results, Path(out))

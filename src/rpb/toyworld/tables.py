@@ -48,13 +48,14 @@ HEADERS = {"id": "ID %", "id_lines": "ID lines %", "ood": "OOD %", "tvd": "TVD",
 
 
 def machine_mix(results: list[dict]) -> str:
-    """Which machine types and thread counts the cells ran on: a grid may be continued on another machine type
-    only on the same pinned base, and its tables say so. Cells from before machines were recorded count as such."""
-    counts: dict[tuple[str, int | None], int] = defaultdict(int)
+    """Which machine types, thread counts and torch builds the cells ran on: a grid may be continued on another
+    machine only on the same pinned base, and its tables say so. Cells from before machines (or torch builds)
+    were recorded count as such."""
+    counts: dict[tuple[str, int | None, str], int] = defaultdict(int)
     for r in results:
-        counts[(r.get("machine") or "machine not recorded", r.get("threads"))] += 1
-    parts = [f"{n} on {m}" + (f" at {t} thread{'s' if t != 1 else ''}" if t else "")
-             for (m, t), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]  # fmt: skip
+        counts[(r.get("machine") or "machine not recorded", r.get("threads"), r.get("torch", ""))] += 1
+    parts = [f"{n} on {m}" + (f" at {t} thread{'s' if t != 1 else ''}" if t else "") + (f" with torch {v}" if v else "")
+             for (m, t, v), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]  # fmt: skip
     return f"Cells ran on: {'; '.join(parts)}." if parts else "Cells ran on: no cells."
 
 
