@@ -725,6 +725,16 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/toyworld/test_shipping.py::test_a_finished_base_ships_its_result_files_and_nothing_else",),
     ),
     Mutant(
+        name="cell_runs_every_methods_selection",
+        story="a weighted cell asks for every method's weight, not its own: on many lanes it starts another "
+        "method's selection run over while that run is still training in another lane, in the same folder",
+        path="toyworld/experiment.py",
+        function="Study.grid_cell",
+        pattern=r"self\.select_weights\(_NoBar\(\), only=arm\.method\)",
+        replacement="self.select_weights(_NoBar())",
+        tests=("tests/toyworld/test_experiment.py::test_a_cell_never_touches_another_methods_selection_runs",),
+    ),
+    Mutant(
         name="ship_drops_a_running_bases_runs",
         story="rpb experiment --ship keeps nothing of a base still running: its finished cells die with the "
         "machine, and a grid longer than a working day never finishes",

@@ -82,6 +82,40 @@ def test_weights_are_chosen_on_the_validation_split(finished):
     assert used[0]["anchor"] == {"lbl_coef": sel["chosen"]["lbl"]}
 
 
+def test_a_cell_never_touches_another_methods_selection_runs(tmp_path, monkeypatch):
+    """Lanes run one method's selection runs while another method's cells start: a cell that asked for every
+    method's weight would start another lane's running selection run over in the same folder (as it did on 16
+    lanes: the folder removed under it, two processes training into one)."""
+    import rpb.toyworld.experiment as experiment
+
+    st = Study(tmp_path, GRIDS["full"])
+    for method, weights in st.grid.candidates.items():
+        for w in weights:
+            where = tmp_path / "selection" / f"{method}-{w:g}"
+            where.mkdir(parents=True)
+            if method == "lbl":  # finished: lbl's cells may start
+                (where / "result.json").write_text(json.dumps({"id": w, "ood": 0.5}))
+            else:  # running in another lane
+                (where / "model").mkdir()
+                (where / "model" / "log.jsonl").write_text("{}\n")
+    cell = tmp_path / "runs" / "math_post" / "lbl" / "seed42"
+    cell.mkdir(parents=True)
+    (cell / "result.json").write_text(json.dumps({"arm": "lbl", "id": 0.5}))
+
+    def trained(*args, **kwargs):
+        raise AssertionError("a selection run was started from a cell")
+
+    monkeypatch.setattr(experiment, "train_cell", trained)
+    lbl = next(a for a in st.grid.arms if a.method == "lbl")
+    assert st.grid_cell("math_post", lbl, 42) == {"arm": "lbl", "id": 0.5}
+    assert sorted(p.parent.parent.name for p in (tmp_path / "selection").glob("*/model/log.jsonl")) == sorted(
+        f"{m}-{w:g}" for m, ws in st.grid.candidates.items() if m != "lbl" for w in ws
+    )
+    assert not (tmp_path / "selection.json").exists()  # recorded once every method's runs are finished
+    # the weight the cell was given: lbl's best on validation (ties to the weaker), here the largest
+    assert st.select_weights(experiment._NoBar(), only="lbl") == {"lbl": max(st.grid.candidates["lbl"])}
+
+
 def test_killed_mid_run_resumes_to_the_same_tables(finished):
     root, tables = finished
     out = root / "b"

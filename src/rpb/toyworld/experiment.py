@@ -298,8 +298,11 @@ class Study:
         write_json_atomic(done, result)
         return result
 
-    def select_weights(self, bar) -> dict[str, float]:
-        """The anchor weight of every weighted method in the grid (fixed, or chosen on validation)."""
+    def select_weights(self, bar, only: str | None = None) -> dict[str, float]:
+        """The anchor weight of every weighted method in the grid (fixed, or chosen on validation), recorded in
+        selection.json; ``only``: that method's alone, recording nothing. A cell asks for its own method's
+        weight only: another method's selection runs may still be running in another lane, and a cell that
+        asked for them would start them over in the same folder."""
         methods = sorted({a.method for a in self.grid.arms if get_method(a.method).coefficient})
         if self.grid.coefficients is not None:
             missing = [m for m in methods if m not in self.grid.coefficients]
@@ -308,7 +311,7 @@ class Study:
             return {m: self.grid.coefficients[m] for m in methods}
         path = self.out / "selection.json"
         chosen, trials = {}, []
-        for method in methods:
+        for method in methods if only is None else [only]:
             scores = {}
             for weight in self.grid.candidates[method]:
                 where = self.out / "selection" / f"{method}-{weight:g}"
@@ -318,15 +321,19 @@ class Study:
                 trials.append({"method": method, "weight": weight, "id": r["id"], "ood": r["ood"]})
                 bar.update(1)
             chosen[method] = max(scores, key=lambda w: (scores[w], -w))  # ties: the weaker anchor
+        if only is not None:
+            return chosen
         record = {"set": self.grid.sets[0], "seed": self.grid.seeds[0], "part": "validation",
                   "criterion": "mean of ID and OOD exact match", "chosen": chosen, "trials": trials}  # fmt: skip
-        if not path.is_file() or json.loads(path.read_text()) != record:  # each weighted cell reads it back
+        if not path.is_file() or json.loads(path.read_text()) != record:
             write_json_atomic(path, record)
         return chosen
 
     def grid_cell(self, post_set: str, arm: Arm, seed: int) -> dict:
         """One of the grid's cells, at its arm's weight (fixed, or chosen by the finished selection runs)."""
-        weight = self.select_weights(_NoBar()).get(arm.method) if get_method(arm.method).coefficient else None
+        weight = None
+        if get_method(arm.method).coefficient:
+            weight = self.select_weights(_NoBar(), only=arm.method)[arm.method]
         return self.cell(self.out / "runs" / post_set / arm.slug / f"seed{seed}", post_set, arm, seed, weight)
 
     def run(self) -> list[dict]:
@@ -373,6 +380,8 @@ class Study:
 
         results = run_jobs(jobs, self.lanes, finished)
         bar.close()
+        if selection:  # every selection run finished: the record of all of them
+            self.select_weights(_NoBar())
         return results[first_cell:]
 
     def report(self, results: list[dict]) -> str:
