@@ -142,3 +142,50 @@ def test_the_calibrated_arm_used_its_bases_rule(base):
         for seed in grid.seeds:
             cell = RESULTS / "headline" / f"base{base}" / "runs" / s / "rpbcalibrated" / f"seed{seed}" / "result.json"
             assert json.loads(cell.read_text())["anchor"]["beta"] == cal["recommended_beta"]
+
+
+def _same_training(cell: dict, post_recipe: dict) -> str:
+    """What a cell's training depends on besides the machine: the post-training recipe (the base's seed in it),
+    the set, the seed, the method and its effective anchor. ``rpb`` at beta 0 adds no bias and trains as
+    ``sft`` does; ``sft`` reads no anchor setting."""
+    from rpb.anchors import AnchorConfig
+
+    method = cell["method"]
+    anchor = {k: v for k, v in {**asdict(AnchorConfig()), **cell["anchor"]}.items() if k != "method"}
+    if method == "rpb" and anchor["beta"] == 0:
+        method = "sft"
+    key = {"post": post_recipe, "set": cell["set"], "seed": cell["seed"], "method": method,
+           "anchor": {} if method == "sft" else anchor}  # fmt: skip
+    return json.dumps(key, sort_keys=True)
+
+
+def _figures(cell: dict) -> dict[str, float]:
+    flat = {"id": cell["id"], "ood": cell["ood"], **{f"retention {k}": v for k, v in cell["retention"].items()}}
+    for part, scores in cell["scores"].items():
+        flat |= {f"{part} {d}": v for d, v in scores["per_domain"].items()}
+    return flat
+
+
+def test_a_cell_run_twice_on_one_machine_type_scores_the_same_in_every_grid():
+    """The same training (recipe, base, set, seed, method and effective anchor) on the same machine type and
+    thread count gives the same figures, whichever grid ran it, on whichever day and torch build (2.11 and
+    2.13 on Intel Xeon). Across machine types the kernels' summation order differs and the seeds' paths part:
+    that is why each cell records its machine, and no figure is compared across them here."""
+    groups: dict[tuple, list[tuple[str, dict]]] = {}
+    for name in STUDY_GRIDS:
+        for folder in [*(RESULTS / name).glob("base[0-9]"), *(RESULTS / name / "unfinished").glob("base[0-9]")]:
+            post = json.loads((folder / "grid.json").read_text())["post_recipe"]
+            for path in (folder / "runs").glob("*/*/*/result.json"):
+                cell = json.loads(path.read_text())
+                key = (_same_training(cell, post), cell["machine"], cell["threads"])
+                groups.setdefault(key, []).append((str(path.relative_to(RESULTS)), _figures(cell)))
+    twice = [cells for cells in groups.values() if len(cells) > 1]
+    # base 0 on AMD EPYC (full's sft and rpb against beta's beta 0 and beta 1), base 2 on Intel Xeon (full's
+    # first cells, run under torch 2.11, against the headline grid's, under 2.13)
+    assert len(twice) >= 12
+    for cells in twice:
+        (first, figures), *others = cells
+        for where, other in others:
+            assert other.keys() == figures.keys(), (first, where)
+            off = {k: (figures[k], other[k]) for k in figures if abs(figures[k] - other[k]) > 1e-9}
+            assert not off, f"{first} and {where}: {off}"
