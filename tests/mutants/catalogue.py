@@ -679,8 +679,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "same CPU read as one kind, though their bits differ",
         path="toyworld/tables.py",
         function="machine_mix",
-        pattern=r'r\.get\("threads"\), r\.get\("torch", ""\)\)\] \+= 1',
-        replacement='None, r.get("torch", ""))] += 1',
+        pattern=r'r\.get\("threads"\), torch\)\] \+= 1',
+        replacement="None, torch)] += 1",
         tests=("tests/toyworld/test_tables.py::test_the_machine_mix_counts_cells_by_machine_and_threads",),
     ),
     Mutant(

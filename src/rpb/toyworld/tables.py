@@ -52,9 +52,11 @@ def machine_mix(results: list[dict]) -> str:
     machine only on the same pinned base, and its tables say so. Cells from before machines (or torch builds)
     were recorded count as such."""
     counts: dict[tuple[str, int | None, str], int] = defaultdict(int)
+    unrecorded = ", torch not recorded" if any("torch" in r for r in results) else ""  # said only beside recorded
     for r in results:
-        counts[(r.get("machine") or "machine not recorded", r.get("threads"), r.get("torch", ""))] += 1
-    parts = [f"{n} on {m}" + (f" at {t} thread{'s' if t != 1 else ''}" if t else "") + (f" with torch {v}" if v else "")
+        torch = f" with torch {r['torch']}" if "torch" in r else unrecorded
+        counts[(r.get("machine") or "machine not recorded", r.get("threads"), torch)] += 1
+    parts = [f"{n} on {m}" + (f" at {t} thread{'s' if t != 1 else ''}" if t else "") + v
              for (m, t, v), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]  # fmt: skip
     return f"Cells ran on: {'; '.join(parts)}." if parts else "Cells ran on: no cells."
 
