@@ -164,21 +164,30 @@ def test_shipped_so_far_names_the_bases_in_order():
     assert [shipped_so_far(b) for b in ([0], [0, 1], [0, 1, 2])] == ["base 0 of 3", "bases 0 and 1 of 3", ""]
 
 
-def test_the_beta_grids_section_is_its_shipped_report():
-    """The beta grid's tables in docs/toyworld.md are its shipped report's, its heading and cell count follow the
-    bases shipped, and the cross-machine agreement it states is computed from both grids' shipped cells."""
-    import json
-
-    shipped = ROOT / "docs" / "results" / "beta"
+def grid_section(name: str, title: str, quoted_tables: int) -> tuple[Path, list[int], str, dict[str, str]]:
+    """A three-base grid's section of docs/toyworld.md, checked against its shipped report: the tables it quotes
+    (above its "**What ..." prose) are the report's, its heading says which bases are shipped while the grid
+    is under way, and it counts the shipped cells. Returns the shipped folder, bases, the section's text and
+    the report's tables."""
+    shipped = ROOT / "docs" / "results" / name
     report = sections((shipped / "tables.md").read_text(), "###")
-    heading, body = TOYWORLD.split("## The beta grid: six betas", 1)[1].split("\n## ", 1)[0].split("\n", 1)
-    quoted = sections(body.split("**What the shipped bases say**", 1)[0], "####")
-    assert len(quoted) == 5 and all(report[title] == table for title, table in quoted.items())
+    heading, body = TOYWORLD.split(f"## {title}", 1)[1].split("\n## ", 1)[0].split("\n", 1)
+    quoted = sections(body.split("**What ", 1)[0], "####")
+    assert len(quoted) == quoted_tables and all(report[t] == table for t, table in quoted.items())
     bases = sorted(int(p.name.removeprefix("base")) for p in shipped.glob("base*") if p.is_dir())
     cells = len(list(shipped.glob("base*/runs/*/*/seed*/result.json")))
     under_way = shipped_so_far(bases)
     assert heading.strip() == (f"(under way: {under_way})" if under_way else "")
     assert f"Shipped so far: {cells} cells" in flat(body) or (not under_way and f"all {cells} cells" in flat(body))
+    return shipped, bases, body, report
+
+
+def test_the_beta_grids_section_is_its_shipped_report():
+    """The beta grid's tables in docs/toyworld.md are its shipped report's, its heading and cell count follow the
+    bases shipped, and the cross-machine agreement it states is computed from both grids' shipped cells."""
+    import json
+
+    shipped, bases, body, _ = grid_section("beta", "The beta grid: six betas", quoted_tables=5)
     beta = json.loads((shipped / "results.json").read_text())
     headline = json.loads((ROOT / "docs" / "results" / "headline" / "results.json").read_text())
     gaps = []
@@ -213,3 +222,27 @@ def test_the_readmes_beta_grid_figures_are_its_shipped_reports():
                 for r in rule if r[6].strip() == "no"]  # fmt: skip
     for phrase in phrases:
         assert flat(phrase) in flat(README), phrase
+
+
+def test_the_full_grids_section_is_its_shipped_report():
+    """The full grid's tables in docs/toyworld.md are its shipped report's; the weights each shipped base's
+    selection chose and the count of verdicts it states are the shipped files'; no claim is left "not run"."""
+    import json
+    from collections import Counter
+
+    shipped, bases, body, report = grid_section("full", "The full grid: every method", quoted_tables=5)
+    text = flat(body).lower()
+    for b in bases:
+        chosen = json.loads((shipped / f"base{b}" / "selection.json").read_text())["chosen"]
+        assert f"base {b}'s selection chose " + ", ".join(f"{w:g} for `{m}`" for m, w in sorted(chosen.items())) in text
+    claims = [ln.strip("|").split(" | ") for ln in report[next(t for t in report if t.startswith("The paper's claims"))]
+              .splitlines() if ln.startswith("| ") and not ln.startswith("| claim")]  # fmt: skip
+    plain, holm = Counter(r[4] for r in claims), Counter(r[5] for r in claims)
+    assert plain["not run"] == 0 and len(claims) == 36
+    under_way = shipped_so_far(bases)
+    assert (f"is under way ({under_way} shipped)" in flat(README)) == bool(under_way)
+    assert flat(
+        f"Of the {len(claims)} claims judged, {plain['reproduces']} reproduce, {plain['contradicted']} are "
+        f"contradicted and {plain['inconclusive']} inconclusive (after Holm's adjustment: {holm['reproduces']}, "
+        f"{holm['contradicted']} and {holm['inconclusive']})"
+    ) in flat(body)
