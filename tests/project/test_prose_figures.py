@@ -241,6 +241,12 @@ def test_the_full_grids_section_is_its_shipped_report():
     assert plain["not run"] == 0 and len(claims) == 36
     under_way = shipped_so_far(bases)
     assert (f"is under way ({under_way} shipped)" in flat(README)) == bool(under_way)
+    # base 2's runs on the lent machine: the torch build each one records
+    builds = [json.loads(p.read_text()).get("torch", "") for p in shipped.glob("**/base2/**/result.json")]
+    lent = sum(b.startswith("2.11") for b in builds)
+    assert lent and f"first {lent} ran in 16 one-thread lanes on a 16-core Intel Xeon under torch 2.11" in flat(
+        TOYWORLD
+    )
     assert flat(
         f"Of the {len(claims)} claims judged, {plain['reproduces']} reproduce, {plain['contradicted']} are "
         f"contradicted and {plain['inconclusive']} inconclusive (after Holm's adjustment: {holm['reproduces']}, "
