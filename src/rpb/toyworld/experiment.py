@@ -290,8 +290,9 @@ class Study:
             result["retention"] = {k: report["mean"][k] for k in keys}
             result["mechanism"] = mechanism(self.base(), ckpt, self.prior(post_set), self.data(post_set))
         result["seconds"] = {"train": train_s, "evaluate": time.perf_counter() - started}
-        # the kernels' summation order follows the intra-op thread count and the torch build: a redone cell is
-        # bit-identical on the same machine type with the same count (OMP_NUM_THREADS) and the same torch
+        # the kernels' summation order follows the intra-op thread count: a redone cell is bit-identical on the
+        # same machine type with the same count (OMP_NUM_THREADS). The torch build is recorded beside them (2.11
+        # and 2.13 gave the same cells on one Xeon type; another build's kernels may not)
         result["threads"], result["machine"], result["torch"] = torch.get_num_threads(), machine(), torch.__version__
         if not self.keep_checkpoints:
             shutil.rmtree(ckpt, ignore_errors=True)
