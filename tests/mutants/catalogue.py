@@ -725,6 +725,29 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=("tests/toyworld/test_shipping.py::test_a_finished_base_ships_its_result_files_and_nothing_else",),
     ),
     Mutant(
+        name="bases_option_runs_every_base",
+        story="rpb experiment --bases 2 runs every base of the grid: the machine given one base's share trains "
+        "the others too, beside the machine running them",
+        path="toyworld/across.py",
+        function="run_grid",
+        pattern=r"sts = \[st for st in sts if st\.base_seed in bases\]",
+        replacement="sts = list(sts)",
+        tests=(
+            "tests/toyworld/test_shipping.py::"
+            "test_rpb_experiment_bases_runs_only_that_share_of_the_grid_and_writes_no_report",
+        ),
+    ),
+    Mutant(
+        name="selection_recorded_only_by_the_report",
+        story="a grid's run leaves selection.json to the report: a base run with --bases (no report) has no "
+        "record of which weights its cells were trained at",
+        path="toyworld/experiment.py",
+        function="Study._run",
+        pattern=r"if selection:  # every selection run finished",
+        replacement="if False:",
+        tests=("tests/toyworld/test_experiment.py::test_weights_are_chosen_on_the_validation_split",),
+    ),
+    Mutant(
         name="cell_runs_every_methods_selection",
         story="a weighted cell asks for every method's weight, not its own: on many lanes it starts another "
         "method's selection run over while that run is still training in another lane, in the same folder",

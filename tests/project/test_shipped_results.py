@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rpb.anchors import get_method
+from rpb.anchors import AnchorConfig, get_method
 from rpb.toyworld.experiment import GRIDS
 from rpb.toyworld.shipping import report_shipped, shipped_results, shipped_studies
 
@@ -148,8 +148,6 @@ def _same_training(cell: dict, post_recipe: dict) -> str:
     """What a cell's training depends on besides the machine: the post-training recipe (the base's seed in it),
     the set, the seed, the method and its effective anchor. ``rpb`` at beta 0 adds no bias and trains as
     ``sft`` does; ``sft`` reads no anchor setting."""
-    from rpb.anchors import AnchorConfig
-
     method = cell["method"]
     anchor = {k: v for k, v in {**asdict(AnchorConfig()), **cell["anchor"]}.items() if k != "method"}
     if method == "rpb" and anchor["beta"] == 0:

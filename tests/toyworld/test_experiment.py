@@ -34,12 +34,16 @@ def finished(tmp_path_factory):
     """One uninterrupted miniature study (its base is built into a shared cache)."""
     root = tmp_path_factory.mktemp("study")
     study = mini_study(root / "a", root / "cache")
-    tables = study.report(study.run())
-    return root, tables
+    results = study.run()
+    # the run records its weight selection itself: a share of a grid (--bases) makes no report
+    selection = root / "a" / "selection.json"
+    after_run = selection.read_text() if selection.is_file() else None
+    tables = study.report(results)
+    return root, tables, after_run
 
 
 def test_miniature_grid_writes_tables_results_and_plots(finished):
-    root, tables = finished
+    root, tables, _ = finished
     out = root / "a"
     results = _results(out)
     assert [(r["arm"], r["seed"], r["part"]) for r in results] == [("lbl", 42, "test"), ("rpb", 42, "test")]
@@ -69,8 +73,9 @@ def test_miniature_grid_writes_tables_results_and_plots(finished):
 
 
 def test_weights_are_chosen_on_the_validation_split(finished):
-    root, _ = finished
-    sel = json.loads((root / "a" / "selection.json").read_text())
+    root, _, after_run = finished
+    assert after_run == (root / "a" / "selection.json").read_text()  # written by the run, not by its report
+    sel = json.loads(after_run)
     assert sel["part"] == "validation" and [t["weight"] for t in sel["trials"]] == [0.01, 0.1]
     score = {t["weight"]: (t["id"] + t["ood"]) / 2 for t in sel["trials"]}
     best = max(score.values())
@@ -117,7 +122,7 @@ def test_a_cell_never_touches_another_methods_selection_runs(tmp_path, monkeypat
 
 
 def test_killed_mid_run_resumes_to_the_same_tables(finished):
-    root, tables = finished
+    root, tables, _ = finished
     out = root / "b"
     assert kill_after_first_cell(out, root / "cache") < 4
 
@@ -128,7 +133,7 @@ def test_killed_mid_run_resumes_to_the_same_tables(finished):
 
 
 def test_a_changed_set_up_is_refused(finished, tmp_path):
-    root, _ = finished
+    root, _, _ = finished
     cache = root / "cache"
     pinned = (root / "a" / "grid.json").read_text()
     with pytest.raises(GridChangedError, match="post_recipe"):
