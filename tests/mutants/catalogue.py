@@ -743,7 +743,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "record of which weights its cells were trained at",
         path="toyworld/experiment.py",
         function="Study._run",
-        pattern=r"if selection:  # every selection run finished",
+        pattern=r"if selection:  # every selection run finished: the record of all of them",
         replacement="if False:",
         tests=("tests/toyworld/test_experiment.py::test_weights_are_chosen_on_the_validation_split",),
     ),
