@@ -241,6 +241,8 @@ def test_the_full_grids_section_is_its_shipped_report():
     assert plain["not run"] == 0 and len(claims) == 36
     under_way = shipped_so_far(bases)
     assert (f"is under way ({under_way} shipped)" in flat(README)) == bool(under_way)
+    for phrase in [] if under_way else full_readme_phrases(report, holm):
+        assert flat(phrase) in flat(README), phrase
     # base 2's runs on the lent machine: the torch build each one records
     builds = [json.loads(p.read_text()).get("torch", "") for p in shipped.glob("**/base2/**/result.json")]
     lent = sum(b.startswith("2.11") for b in builds)
@@ -252,3 +254,38 @@ def test_the_full_grids_section_is_its_shipped_report():
         f"contradicted and {plain['inconclusive']} inconclusive (after Holm's adjustment: {holm['reproduces']}, "
         f"{holm['contradicted']} and {holm['inconclusive']})"
     ) in flat(body)
+
+
+def full_readme_phrases(report: dict[str, str], holm: dict[str, int]) -> list[str]:
+    """What the README must say of the whole full grid: rpb minus sft in domain on each set, and the claims'
+    verdicts after Holm's adjustment, from its shipped report."""
+
+    def delta(post_set: str, method: str) -> str:
+        (row,) = [ln.split(" | ") for ln in report[OUTCOME.format(post_set)].splitlines()
+                  if ln.startswith(f"| {method} |")]  # fmt: skip
+        return unicode_minus(row[2])
+
+    return [
+        f"`rpb` − `sft` in domain is {delta('math_post', 'rpb')} points on math and {delta('code_post', 'rpb')} "
+        "on code",
+        f"after Holm's adjustment {holm['reproduces']} of its 36 claims reproduce, {holm['contradicted']} are "
+        f"contradicted and {holm['inconclusive']} inconclusive",
+    ]
+
+
+def test_the_full_grids_readme_phrases_follow_its_report():
+    """The phrases are computed from the report: an edited figure in the report changes what is asked of the
+    README (so the README check cannot pass against stale figures)."""
+    from collections import Counter
+
+    report = sections((ROOT / "docs" / "results" / "full" / "tables.md").read_text(), "###")
+    holm = Counter({"reproduces": 1, "contradicted": 2, "inconclusive": 33})
+    before = full_readme_phrases(report, holm)
+    math = OUTCOME.format("math_post")
+    (rpb,) = [ln for ln in report[math].splitlines() if ln.startswith("| rpb |")]
+    cells = rpb.split(" | ")
+    cells[2] = "+99.9 [+98.0, +99.9]"
+    report[math] = report[math].replace(rpb, " | ".join(cells))
+    after = full_readme_phrases(report, holm)
+    assert "+99.9 [+98.0, +99.9] points on math" in after[0] and before[0] != after[0]
+    assert after[1] == "after Holm's adjustment 1 of its 36 claims reproduce, 2 are contradicted and 33 inconclusive"
