@@ -26,11 +26,16 @@ def sections(text: str, level: str) -> dict[str, str]:
     return {title.strip(): body.strip() for title, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
-def rows(title: str) -> list[dict[str, str]]:
-    """A table of tables.md, row by row: {column: cell}."""
-    lines = [ln for ln in sections(TABLES, "###")[title].splitlines() if ln.startswith("|")]
+def table_rows(body: str) -> list[dict[str, str]]:
+    """A markdown table's body, row by row: {column: cell}."""
+    lines = [ln for ln in body.splitlines() if ln.startswith("|")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     return [dict(zip(header, [c.strip() for c in ln.strip("|").split("|")], strict=True)) for ln in lines[2:]]
+
+
+def rows(title: str) -> list[dict[str, str]]:
+    """A table of the headline grid's tables.md, row by row."""
+    return table_rows(sections(TABLES, "###")[title])
 
 
 def table(title: str) -> dict[str, dict[str, str]]:
@@ -235,9 +240,8 @@ def test_the_full_grids_section_is_its_shipped_report():
     for b in bases:
         chosen = json.loads((shipped / f"base{b}" / "selection.json").read_text())["chosen"]
         assert f"base {b}'s selection chose " + ", ".join(f"{w:g} for `{m}`" for m, w in sorted(chosen.items())) in text
-    claims = [ln.strip("|").split(" | ") for ln in report[next(t for t in report if t.startswith("The paper's claims"))]
-              .splitlines() if ln.startswith("| ") and not ln.startswith("| claim")]  # fmt: skip
-    plain, holm = Counter(r[4] for r in claims), Counter(r[5] for r in claims)
+    claims = table_rows(report[next(t for t in report if t.startswith("The paper's claims"))])
+    plain, holm = Counter(r["verdict"] for r in claims), Counter(r["Holm-adjusted"] for r in claims)
     assert plain["not run"] == 0 and len(claims) == 36
     under_way = shipped_so_far(bases)
     assert (f"is under way ({under_way} shipped)" in flat(README)) == bool(under_way)
@@ -261,9 +265,8 @@ def full_readme_phrases(report: dict[str, str], holm: dict[str, int]) -> list[st
     verdicts after Holm's adjustment, from its shipped report."""
 
     def delta(post_set: str, method: str) -> str:
-        (row,) = [ln.split(" | ") for ln in report[OUTCOME.format(post_set)].splitlines()
-                  if ln.startswith(f"| {method} |")]  # fmt: skip
-        return unicode_minus(row[2])
+        (row,) = [r for r in table_rows(report[OUTCOME.format(post_set)]) if r["method"] == method]
+        return unicode_minus(row["Δ ID vs sft [95% CI]"])
 
     return [
         f"`rpb` − `sft` in domain is {delta('math_post', 'rpb')} points on math and {delta('code_post', 'rpb')} "
