@@ -22,7 +22,8 @@ from rpb.checkpoints import MARKER, ResumeError, complete_checkpoints
 from rpb.collect import collect
 from rpb.config import load_config
 from rpb.testing.data import conversations, write_jsonl
-from rpb.train import AnchorTrainerMixin, run_training
+from rpb.train import run_training
+from rpb.trainer import AnchorTrainerMixin
 
 WORKER = Path(__file__).parent / "workers" / "resume_worker.py"
 # one intra-op thread here and in the killed process: the same kernels, so the same floating-point sums

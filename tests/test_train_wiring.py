@@ -33,7 +33,8 @@ from rpb.config import load_config
 from rpb.data import AnchorCollator
 from rpb.monitor.run import run_audit
 from rpb.testing.data import write_jsonl
-from rpb.train import AnchorTrainer, AnchorTrainerMixin, prepare_run, run_training
+from rpb.train import prepare_run, run_training
+from rpb.trainer import AnchorTrainer, AnchorTrainerMixin
 from tests.conftest import qa
 from tests.hand_losses import TERMS, Recorded, RouterRecorder, check_term_in_gradient, move_routers
 

@@ -9,7 +9,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="anchor_term_dropped",
         story="the anchor's term is computed and logged but never added to the training loss",
-        path="train.py",
+        path="trainer.py",
         function="AnchorTrainerMixin.compute_loss",
         pattern=r"loss = loss \+ term / self\._anchor_divisor\(num_items_in_batch\)",
         replacement="loss = loss",
@@ -20,7 +20,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="anchor_term_detached",
         story="the anchor term detached before it joins the loss: it shifts the loss value but moves no weight",
-        path="train.py",
+        path="trainer.py",
         function="AnchorTrainerMixin.compute_loss",
         pattern=r"term = self\.anchor\.loss\(\)",
         replacement="term = self.anchor.loss().detach()",
@@ -31,7 +31,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="anchor_term_not_divided_by_accumulation",
         story="the per-micro-batch anchor term is added whole at every micro-batch, so it counts grad_accum times",
-        path="train.py",
+        path="trainer.py",
         function="AnchorTrainerMixin._anchor_divisor",
         pattern=r"return self\.current_gradient_accumulation_steps if scaled else 1",
         replacement="return 1",
@@ -40,7 +40,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="one_more_step_after_the_final_checkpoint",
         story="the resume guard compares with > instead of >=: a resume from the final checkpoint trains one more step",
-        path="train.py",
+        path="trainer.py",
         function="AnchorTrainerMixin.get_batch_samples",
         pattern=r"if self\.state\.global_step >= self\.state\.max_steps > 0:",
         replacement="if self.state.global_step > self.state.max_steps > 0:",
@@ -49,7 +49,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="random_state_not_restored",
         story="the checkpoint loader restores weights, optimizer and data position but skips the RNG state",
-        path="train.py",
+        path="trainer.py",
         function="AnchorTrainerMixin._load_from_checkpoint",
         pattern=r"super\(\)\._load_from_checkpoint\(resume_from_checkpoint, model\)\n",
         replacement="super()._load_from_checkpoint(resume_from_checkpoint, model)\n"

@@ -140,6 +140,7 @@ TESTED_THROUGH: dict[str, tuple[str, ...]] = {
     "testing/data.py": ("testing/test_models.py",),
     "testing/tokenizers.py": ("testing/test_models.py", "toyworld/test_tasks.py"),
     "toyworld/knowledge.py": ("toyworld/test_tasks.py",),
+    "trainer.py": ("test_train_wiring.py", "test_checkpoints.py"),
 }
 #: Modules no test file imports at all: known gaps, not coverage. Each names the test file and the module
 #: it imports through which the tests reach this one (both links read with ast). Give such a module a test
