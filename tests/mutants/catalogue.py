@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from tests.mutants import more_audit, more_experts, more_families, more_monitor, more_newcomer, more_prior_values
 from tests.mutants.harness import Mutant
 
-MUTANTS: tuple[Mutant, ...] = (
+BEFORE_ISSUE_48: tuple[Mutant, ...] = (
     # ---- train.py: the anchor's term in the loss, accumulation, resume --------------------------------------
     Mutant(
         name="anchor_term_dropped",
@@ -803,4 +804,15 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="    return REFERENCE",
         tests=("tests/toyworld/test_across.py::test_a_grid_without_sft_pairs_each_beta_with_its_beta_0_arm",),
     ),
+)
+
+#: the catalogue: the mutants above, then each area's file
+MUTANTS: tuple[Mutant, ...] = (
+    *BEFORE_ISSUE_48,
+    *more_prior_values.MUTANTS,
+    *more_monitor.MUTANTS,
+    *more_audit.MUTANTS,
+    *more_experts.MUTANTS,
+    *more_newcomer.MUTANTS,
+    *more_families.MUTANTS,
 )
