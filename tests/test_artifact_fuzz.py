@@ -1,9 +1,11 @@
 """Property tests of the prior artifact reader: a corrupted file (header bytes, truncation, tampered
 metadata, tensors of another shape or dtype, NaN / inf, rows that do not sum) is reported by
-``rpb validate`` as problems and refused by ``load_artifact`` with ``ArtifactError`` -- never a traceback."""
+``rpb validate`` as problems and refused by ``load_artifact`` or ``load_prior`` with ``ArtifactError`` -- never a
+traceback; ``load_prior`` (what every command reads a prior with) refuses exactly the files ``validate`` faults."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import tempfile
@@ -15,7 +17,8 @@ from hypothesis import strategies as st
 
 from rpb.artifact import REQUIRED_METADATA, SCHEMA, SCHEMA_VERSION, ArtifactError, PriorArtifact, load_artifact
 from rpb.artifact import save_artifact as save
-from rpb.validate import ROW_SUM_TOLERANCE, validate_artifact
+from rpb.artifact_checks import ROW_SUM_TOLERANCE, load_prior
+from rpb.validate import validate_artifact
 
 FUZZ = settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 N, L, E = 3, 2, 4
@@ -98,6 +101,13 @@ def corrupted(draw) -> Path:
 def test_a_corrupted_artifact_is_reported_never_a_traceback(path):
     report = validate_artifact(path)  # never raises
     try:
+        checked = load_prior(path)
+    except ArtifactError as e:
+        assert str(path) in str(e) and not report.ok
+        assert all(p in str(e) for p in report.problems)  # validate's messages, every one
+    else:
+        assert report.ok and checked.metadata == load_artifact(path).metadata
+    try:
         art = load_artifact(path)
     except ArtifactError as e:
         assert str(path) in str(e)
@@ -114,4 +124,8 @@ def test_the_untouched_artifact_validates():
     path.write_bytes(VALID)
     assert validate_artifact(path).ok
     (header_len,) = struct.unpack("<Q", VALID[:8])
-    assert json.loads(json.loads(VALID[8 : 8 + header_len])["__metadata__"]["rpb"]) == _metadata()
+    # the hash of every byte after the header, computed here from the file itself
+    tensors_sha256 = hashlib.sha256(VALID[8 + header_len :]).hexdigest()
+    meta = json.loads(json.loads(VALID[8 : 8 + header_len])["__metadata__"]["rpb"])
+    assert meta == {**_metadata(), "tensors_sha256": tensors_sha256}
+    assert load_prior(path).metadata == meta

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import Trainer
 
+from rpb.artifact import load_artifact, save_artifact
 from rpb.checkpoints import MARKER, ResumeError, complete_checkpoints
 from rpb.collect import collect
 from rpb.config import load_config
@@ -155,12 +155,11 @@ def test_a_changed_setup_is_refused_by_name(setup, tmp_path, save_tiny):
     with pytest.raises(ResumeError, match=r"method\.method: the checkpoint's run has 'kl-to-base', this run has 'rpb'"):
         train(overrides(setup, out, "rpb", resume))
 
-    # the same rows and metadata, one value of pi changed: a prior the checks before training accept
+    # the same rows and metadata, two values of one row of pi swapped: a prior the checks before training accept
     other_prior = tmp_path / "other.safetensors"
-    with safe_open(str(prior), framework="pt") as f:
-        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118
-    tensors["prior_qa"][0, 0, 0, 0] += 1e-3
-    save_file(tensors, str(other_prior), metadata=meta)
+    art = load_artifact(prior, mmap=False)
+    art.prior_qa[0, 0, 0, [0, 1]] = art.prior_qa[0, 0, 0, [1, 0]]
+    save_artifact(art, other_prior)  # with the hash of its own tensors
     with pytest.raises(ResumeError, match=r"\(1 field\(s\)\):\n  prior\.sha256"):
         train([*overrides(setup, out, "kl-to-base", resume), f"prior={other_prior}"])
 

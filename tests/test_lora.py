@@ -14,17 +14,17 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rpb.adapters import get_adapter
+from rpb.adapters import find_moe_layers, get_adapter
 from rpb.anchors import AnchorConfig, install_anchor
 from rpb.artifact import load_artifact
 from rpb.collect import collect
 from rpb.config import load_config
 from rpb.data import AnchorCollator, ExampleDataset, load_labelled
 from rpb.errors import ArgumentError
-from rpb.lora import LoraSection, apply_lora
+from rpb.lora import LoraSection, apply_lora, routers_frozen_before_lora
 from rpb.models import load_tokenizer
 from rpb.testing.data import conversations, write_jsonl
-from rpb.testing.models import ARCHITECTURES
+from rpb.testing.models import ARCHITECTURES, build_tiny_model
 from rpb.train import run_training
 from tests.hand_routing import hand_select, token_bias
 
@@ -215,3 +215,16 @@ def test_the_lora_section_is_checked(setup, tmp_path):
                            "lora.rank=-1", "lora.router=half", "lora.dropout=1.5"])  # fmt: skip
     text = str(e.value)
     assert "lora.rank" in text and "lora.router" in text and "lora.dropout" in text
+
+
+def test_apply_lora_records_the_routers_frozen_before_it_wraps():
+    """PEFT freezes every router it does not wrap and makes trainable copies of those it does: only the record
+    keeps which one the user had frozen; merging drops it with the wrapper."""
+    facts = get_adapter("qwen3_moe")
+    model = build_tiny_model("qwen3_moe", vocab_size=64)
+    layers = find_moe_layers(model, facts)
+    layers[1].router.weight.requires_grad_(False)
+    wrapped = apply_lora(model, LoraSection(rank=4, router="full"), facts)
+    assert all(m.trainable for m in find_moe_layers(wrapped, facts))
+    assert routers_frozen_before_lora(wrapped) == (layers[1].layer_index,)
+    assert routers_frozen_before_lora(wrapped.merge_and_unload()) is None

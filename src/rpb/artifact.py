@@ -5,17 +5,21 @@ Tensors
   span_tokens   int64   [N, 2]        tokens behind each span mean
   row_sha256    uint8   [N, 32]       sha256 of each data row's bytes, so a validator can
                                       tell an edited row from reordered rows (no text is stored)
-Metadata (safetensors header, key ``rpb``): a JSON object, see ``REQUIRED_METADATA``.
+Metadata (safetensors header, key ``rpb``): a JSON object, see ``REQUIRED_METADATA``; from schema 3 on it
+also holds ``tensors_sha256``, the sha256 of the file's data section (every tensor byte after the header,
+in file order), so that a changed bit that leaves every value plausible is still caught.
 
 Writes are atomic: the file appears under its final name only once complete. A prior too
 large for memory is written tensor by tensor (``write_streamed``: the safetensors layout is an
 8-byte little-endian header length, a JSON header, then the raw little-endian tensor bytes), and
 read memory-mapped (``load_artifact``): the tensors are views of the page cache, so every
-process on a node that loads the same prior shares one copy.
+process on a node that loads the same prior shares one copy. ``load_artifact`` reads; what a
+command loads is checked first (``rpb.artifact_checks.load_prior``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -33,9 +37,16 @@ from rpb.errors import RpbError
 from rpb.fileio import atomic_path
 
 SCHEMA = "rpb_prior"
-#: 2: the chat template's keyword arguments and pinned date, and the reasoning count, are recorded
-SCHEMA_VERSION = 2
+#: 2: the chat template's keyword arguments and pinned date, and the reasoning count, are recorded;
+#: 3: ``tensors_sha256``
+SCHEMA_VERSION = 3
+#: what a reader accepts: a schema-2 prior has no hash of its tensors (read with a note)
+READABLE_SCHEMA_VERSIONS = (2, 3)
 METADATA_KEY = "rpb"
+#: metadata field: sha256 (hex) of the data section
+TENSORS_SHA256 = "tensors_sha256"
+#: what a streamed write puts in the header before the hash is known, patched in place (same width)
+HASH_PLACEHOLDER = "0" * 64
 
 #: routed-position rule recorded in the metadata: every position of the right-truncated sequence
 ROUTED_ALL_POSITIONS = "all-positions-of-truncated-sequence"
@@ -92,13 +103,26 @@ def header_metadata(metadata: dict) -> dict[str, str]:
 
 
 def save_artifact(artifact: PriorArtifact, path: str | Path) -> None:
-    atomic_save(artifact.tensors(), header_metadata(artifact.metadata), path)
+    """Write ``artifact`` (atomically), its ``tensors_sha256`` computed before the header is written."""
+    tensors = {name: t.detach().cpu().contiguous() for name, t in artifact.tensors().items()}
+    digest = hashlib.sha256()
+    for t in tensors.values():  # the order write_streamed lays them out in
+        digest.update(_raw_bytes(t))
+    meta = {**artifact.metadata, TENSORS_SHA256: digest.hexdigest()}
+    specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    write_streamed(path, specs, header_metadata(meta), lambda spec: [tensors[spec.name]])
 
 
 # ---- streamed writing ------------------------------------------------------------------------
 
-#: safetensors dtype names of the artifact's tensors
-ST_DTYPES = {torch.float32: "F32", torch.int64: "I64", torch.uint8: "U8"}
+#: safetensors dtype names that can be viewed in place (others are read as copies)
+_MAPPABLE = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+#: safetensors dtype names of what ``write_streamed`` writes
+ST_DTYPES = {dtype: name for name, dtype in _MAPPABLE.items()}
 #: the data section starts on this boundary, so that every tensor can be viewed in place
 HEADER_ALIGN = 8
 
@@ -127,20 +151,34 @@ def safetensors_header(specs: list[TensorSpec], metadata: dict[str, str]) -> byt
     return struct.pack("<Q", len(raw)) + raw
 
 
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as they lie (little-endian machines only, see ``write_streamed``)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def write_streamed(
     path: str | Path,
     specs: list[TensorSpec],
     metadata: dict[str, str],
     pieces: Callable[[TensorSpec], Iterable[torch.Tensor]],
     tmp_dir: str | Path | None = None,
-) -> None:
+    hash_slot: bytes | None = None,
+) -> str:
     """Write a safetensors file without holding its tensors: ``pieces(spec)`` yields each tensor's
     consecutive slices along its first axis. Atomic like ``atomic_save``; the temporary file lives
-    in ``tmp_dir`` (same filesystem as ``path``; default: beside it)."""
+    in ``tmp_dir`` (same filesystem as ``path``; default: beside it). Returns the sha256 (hex) of the
+    data section. ``hash_slot``: bytes that occur once in the header and end in ``HASH_PLACEHOLDER``,
+    overwritten in place with that hash before the file gets its name."""
     if sys.byteorder != "little":  # safetensors is little-endian and the bytes are written as they lie
         raise RuntimeError("write_streamed needs a little-endian machine")
+    header = safetensors_header(specs, metadata)
+    if hash_slot is not None:
+        if not hash_slot.endswith(HASH_PLACEHOLDER.encode()) or header.count(hash_slot) != 1:
+            raise ValueError(f"the header holds {header.count(hash_slot)} hash placeholder(s), not one")
+        slot_at = header.index(hash_slot) + len(hash_slot) - len(HASH_PLACEHOLDER)
+    digest = hashlib.sha256()
     with atomic_path(path, tmp_dir=tmp_dir) as tmp, open(tmp, "wb") as f:
-        f.write(safetensors_header(specs, metadata))
+        f.write(header)
         for spec in specs:
             written = 0
             for piece in pieces(spec):
@@ -149,11 +187,43 @@ def write_streamed(
                         f"{spec.name}: a piece of {piece.dtype} {tuple(piece.shape)} does not fit "
                         f"{spec.dtype} {spec.shape}"
                     )
-                data = piece.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                f.write(memoryview(data))
+                data = _raw_bytes(piece.detach().cpu().contiguous())
+                f.write(data)
+                digest.update(data)
                 written += data.nbytes
             if written != spec.nbytes:
                 raise ValueError(f"{spec.name}: {written} bytes written, the header says {spec.nbytes}")
+        if hash_slot is not None:
+            f.seek(slot_at)
+            f.write(digest.hexdigest().encode())
+    return digest.hexdigest()
+
+
+def stream_artifact(
+    path: str | Path,
+    specs: list[TensorSpec],
+    metadata: dict,
+    pieces: Callable[[TensorSpec], Iterable[torch.Tensor]],
+    tmp_dir: str | Path | None = None,
+) -> str:
+    """``write_streamed`` for an artifact with ``metadata``: the header goes first, so its
+    ``tensors_sha256`` is a placeholder until every tensor byte is written and hashed."""
+    field = json.dumps({TENSORS_SHA256: HASH_PLACEHOLDER})[1:-1]  # "tensors_sha256": "00...0"
+    # as it lies in the header (JSON inside a JSON string, header_metadata's encoding), up to the placeholder's end
+    slot = json.dumps(field[:-1])[1:-1].encode()
+    meta = header_metadata({**metadata, TENSORS_SHA256: HASH_PLACEHOLDER})
+    return write_streamed(path, specs, meta, pieces, tmp_dir, hash_slot=slot)
+
+
+def tensors_sha256(path: str | Path) -> str:
+    """sha256 (hex) of a safetensors file's data section: every byte after its header."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + header_len)
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class ArtifactError(RpbError):
@@ -179,14 +249,6 @@ def read_metadata(path: str | Path) -> dict:
 
 
 TENSOR_NAMES = ("prior_qa", "span_tokens", "row_sha256")
-
-
-#: safetensors dtype names that can be viewed in place (others are read as copies)
-_MAPPABLE = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
 
 
 def map_tensors(path: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:

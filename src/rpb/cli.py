@@ -330,8 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--threshold", type=float, help="each layer's experts up to this cumulative share (default 0.2)")
     how.add_argument("--top-n", type=int, help="each layer's n highest experts")
     e.add_argument("--span", default="all", choices=["all", "question", "answer"], help="which tokens count")
-    e.add_argument("--model", help="the prior's base (measure token)")
-    e.add_argument("--data-jsonl", help="the prior's data file (measure token)")
+    e.add_argument("--model", help="the prior's base (measure token; with gate, for the check that the router "
+                   "ever selects the chosen experts)")  # fmt: skip
+    e.add_argument("--data-jsonl", help="the prior's data file (as --model)")
     e.add_argument("--tokenizer", help="default: --model")
     e.add_argument("--shared-experts", action="store_true", help="the config says: train the shared experts too")
     e.add_argument("--non-expert-modules", action="store_true",

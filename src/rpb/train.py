@@ -23,7 +23,8 @@ from transformers.trainer_callback import PrinterCallback
 from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
 from rpb.anchors import AnchorConfig, AnchorHandle, RunFacts, get_method, install_anchor, verify_prior
 from rpb.anchors.controls import base_communities, base_transition_communities, layer_permutations
-from rpb.artifact import load_artifact
+from rpb.anchors.transform import run_transform
+from rpb.artifact_checks import load_prior
 from rpb.checkpoints import CompleteMarker, resolve_resume, run_record, trim_log
 from rpb.config import RunConfig
 from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, LabelledData, file_sha256, load_labelled
@@ -106,9 +107,9 @@ def attach_anchor(
             router_transform=anchor_cfg.router_transform,
         )
         verify_prior(meta, run, prior_path)
-    if anchor_cfg.router_transform is None and meta:
-        # a copy: the caller's configuration stays as given (it is recorded in rpb_run.json)
-        anchor_cfg = dataclasses.replace(anchor_cfg, router_transform=meta["router_transform"])
+    # a copy: the caller's configuration stays as given (it is recorded in rpb_run.json)
+    transform = run_transform(anchor_cfg.router_transform, meta.get("router_transform"), facts.score_function)
+    anchor_cfg = dataclasses.replace(anchor_cfg, router_transform=transform)
 
     info: dict = {"method": method.name, "rows": data.num_rows, "max_seq_len": max_seq_len, "data_sha256": data.sha256,
                   "router_transform": anchor_cfg.router_transform, **data.template_settings,
@@ -148,7 +149,7 @@ def attach_anchor(
 def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
     """Load everything, check the prior against it, and install the anchor."""
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
-    artifact = load_artifact(cfg.prior) if cfg.prior else None  # memory-mapped: a node's ranks share one copy
+    artifact = load_prior(cfg.prior) if cfg.prior else None  # memory-mapped: a node's ranks share one copy
     meta = artifact.metadata if artifact else {}
     max_seq_len = cfg.train.max_seq_len or meta["max_seq_len"]
     # every bad row, before any compute; the day a clock-reading template sees is the prior's

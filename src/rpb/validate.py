@@ -1,9 +1,11 @@
 """Checks that a prior artifact is well-formed and belongs to the data and model at hand.
 
 Every problem is collected (none stops the others from being checked); the caller
-prints them all and exits non-zero when there is any. The model is judged as ``rpb train``
-judges it (``rpb.anchors.verify.model_mismatches``): by its routers' fingerprint, top-k,
-MoE layers and experts, read from the checkpoint's safetensors shards without loading it.
+prints them all and exits non-zero when there is any. The file's own problems (metadata, tensors,
+values, tensor hash) are ``rpb.artifact_checks``', which every command that reads a prior refuses.
+The model is judged as ``rpb train`` judges it (``rpb.anchors.verify.model_mismatches``): by its
+routers' fingerprint, top-k, MoE layers and experts, read from the checkpoint's safetensors shards
+without loading it.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import torch
 from rpb.adapters import checkpoint_routers_sha256
 from rpb.adapters.aliases import register_model_aliases
 from rpb.anchors.verify import model_mismatches
-from rpb.artifact import REQUIRED_METADATA, SCHEMA, SCHEMA_VERSION, ArtifactError, load_artifact
+from rpb.artifact import TENSORS_SHA256, ArtifactError, load_artifact
+from rpb.artifact_checks import file_problems, format_problems
 from rpb.data.jsonl import file_sha256, row_digests
 from rpb.errors import RpbError
 from rpb.retention.metrics import entropy_bits
-
-ROW_SUM_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -37,13 +38,16 @@ class ValidationReport:
 
     def format(self) -> str:
         if not self.ok:
-            head = f"{self.path}: {len(self.problems)} problem(s)"
-            return "\n".join([head, *(f"  - {p}" for p in self.problems)])
+            return format_problems(self.path, self.problems)
         s = self.summary
+        hashed = f"  tensor bytes match {TENSORS_SHA256}"
+        if not s["tensors_sha256"]:
+            hashed = f"  schema {s['schema_version']}: no {TENSORS_SHA256}, the tensor bytes are not checked by hash"
         lines = [
             f"{self.path}: OK",
             f"  samples {s['samples']}, MoE layers {s['layers']} (model layers {s['moe_layers']}), "
             f"experts {s['experts']}, transform {s['router_transform']}, top-k {s['top_k']}",
+            hashed,
             f"  per-layer utilization entropy (bits; max log2 E = {math.log2(s['experts']):.3f}), Q / A:",
         ]
         for layer, hq, ha in zip(s["moe_layers"], s["entropy_q_bits"], s["entropy_a_bits"], strict=True):
@@ -54,57 +58,6 @@ class ValidationReport:
 def utilization_entropy_bits(prior_NSLE: torch.Tensor) -> torch.Tensor:
     """Entropy (bits) of the mean prior over samples, per span and layer: ``[S, L]``."""
     return entropy_bits(prior_NSLE.double().mean(dim=0))
-
-
-def _check_metadata(meta: dict, problems: list[str]) -> None:
-    for key, kind in REQUIRED_METADATA.items():
-        if key not in meta:
-            problems.append(f"metadata: missing field {key!r}")
-        elif not isinstance(meta[key], kind) or isinstance(meta[key], bool):
-            expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-            problems.append(f"metadata: field {key!r} should be {expected}, got {type(meta[key]).__name__}")
-    if meta.get("schema") != SCHEMA:
-        problems.append(f"metadata: schema is {meta.get('schema')!r}, expected {SCHEMA!r}")
-    if meta.get("schema_version") != SCHEMA_VERSION:
-        problems.append(f"metadata: schema_version {meta.get('schema_version')!r} is not {SCHEMA_VERSION}")
-
-
-def _check_tensors(art, meta: dict, problems: list[str]) -> None:
-    prior = art.prior_qa
-    n, layers, experts = meta.get("num_rows"), meta.get("moe_layers"), meta.get("num_experts")
-    expected = (n, 2, len(layers) if isinstance(layers, list) else None, experts)
-    if prior.dtype != torch.float32:
-        problems.append(f"prior_qa: dtype {prior.dtype}, expected float32")
-    if tuple(prior.shape) != expected:
-        problems.append(
-            f"prior_qa: shape {tuple(prior.shape)}, metadata says [rows, 2, MoE layers, experts] = {expected}"
-        )
-    if prior.dim() != 4:
-        return
-    finite = torch.isfinite(prior)
-    if not finite.all():
-        bad = (~finite).nonzero()[0].tolist()
-        problems.append(
-            f"prior_qa: {int((~finite).sum())} non-finite value(s), first at [sample, span, layer, expert]={bad}"
-        )
-    if (prior < 0).any():
-        bad = (prior < 0).nonzero()[0].tolist()
-        problems.append(f"prior_qa: {int((prior < 0).sum())} negative value(s), first at {bad}")
-    sums = prior.double().sum(dim=-1)
-    off = (sums - 1).abs() > ROW_SUM_TOLERANCE
-    if off.any():
-        first = off.nonzero()[0].tolist()
-        problems.append(
-            f"prior_qa: {int(off.sum())} [sample, span, layer] row(s) do not sum to 1 (tolerance "
-            f"{ROW_SUM_TOLERANCE}); first at {first}, sum {float(sums[tuple(first)]):.6f}"
-        )
-    if tuple(art.span_tokens.shape) != (prior.shape[0], 2):
-        problems.append(f"span_tokens: shape {tuple(art.span_tokens.shape)}, expected ({prior.shape[0]}, 2)")
-    elif (art.span_tokens < 1).any():
-        bad = (art.span_tokens < 1).nonzero()[0].tolist()
-        problems.append(f"span_tokens: a span without tokens at [sample, span]={bad}")
-    if tuple(art.row_sha256.shape) != (prior.shape[0], 32):
-        problems.append(f"row_sha256: shape {tuple(art.row_sha256.shape)}, expected ({prior.shape[0]}, 32)")
 
 
 def _check_data(art, meta: dict, data_jsonl: Path, problems: list[str]) -> None:
@@ -198,8 +151,7 @@ def validate_artifact(
         problems.append(str(e))
         return report
     meta = art.metadata
-    _check_metadata(meta, problems)
-    _check_tensors(art, meta, problems)
+    problems += file_problems(path, art)
     if data_jsonl is not None:
         _check_data(art, meta, Path(data_jsonl), problems)
     if expected_model is not None:
@@ -222,6 +174,8 @@ def validate_artifact(
             "moe_layers": meta["moe_layers"],
             "router_transform": meta["router_transform"],
             "top_k": meta["top_k"],
+            "schema_version": meta["schema_version"],
+            "tensors_sha256": TENSORS_SHA256 in meta,
             "entropy_q_bits": entropy_SL[0].tolist(),
             "entropy_a_bits": entropy_SL[1].tolist(),
         }

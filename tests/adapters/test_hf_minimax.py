@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rpb.adapters import checkpoint_routers_sha256, find_moe_layers, get_adapter, routers_sha256
+from rpb.adapters import call_router, checkpoint_routers_sha256, find_moe_layers, get_adapter, routers_sha256
 from rpb.anchors import AnchorConfig, install_anchor
 from rpb.collect import collect
 from rpb.testing.models import randomize_routers
@@ -77,6 +77,21 @@ def test_the_anchor_selects_by_the_rule_with_the_blocks_bias():
         changed += sum(a != b for a, b in zip(got, hand_select(z_TE, block_bias_E, 2), strict=True))
     assert changed > 0  # the prior moved some tokens' experts
     handle.remove()
+
+
+def test_call_router_hands_the_router_its_blocks_bias():
+    """The router called alone, as its block calls it: the selection by the rule with the block's bias (the bare
+    ``router(hidden)`` is a TypeError on this family)."""
+    model = build(64)
+    facts = get_adapter("minimax_m2")
+    hidden_TH = torch.randn(16, 32, generator=torch.Generator().manual_seed(5))
+    for m in find_moe_layers(model, facts):
+        z_TE, gates_TK, ids_TK = call_router(m, facts, hidden_TH)
+        torch.testing.assert_close(z_TE, hidden_TH @ m.router.weight.T)
+        chosen = hand_select(z_TE, m.block.e_score_correction_bias, 2)
+        assert [frozenset(r) for r in ids_TK.tolist()] == chosen
+        assert chosen != hand_select(z_TE, torch.zeros(8), 2)  # the bias changes the choice: the test can tell
+        torch.testing.assert_close(gates_TK.double(), hand_gates(z_TE, ids_TK), rtol=1e-6, atol=1e-7)
 
 
 def test_the_fingerprint_reads_the_blocks_bias(saved, tmp_path):

@@ -470,20 +470,25 @@ def hand_logit_l2(z_TE, base_TE, transform):
 
 
 @pytest.mark.parametrize(
-    ("arch", "method", "transform"),
+    ("arch", "method", "given", "transform"),
     [
-        ("qwen3_moe", "kl-to-base", "softmax"),
-        ("mixtral", "kl-to-base", "softmax"),
-        ("moonlight", "kl-to-base", "sigmoid-normalized"),
-        ("qwen3_moe", "logit-l2", "softmax"),
-        ("moonlight", "logit-l2", "softmax"),
+        ("qwen3_moe", "kl-to-base", "softmax", "softmax"),
+        ("mixtral", "kl-to-base", "softmax", "softmax"),
+        ("moonlight", "kl-to-base", "sigmoid-normalized", "sigmoid-normalized"),
+        # a softmax prior's transform, as rpb train resolves it into the config, on a sigmoid family
+        ("moonlight", "kl-to-base", "softmax", "softmax"),
+        # neither a prior nor an override: the family's own (a sigmoid router's normalised sigmoid)
+        ("moonlight", "kl-to-base", None, "sigmoid-normalized"),
+        ("qwen3_moe", "kl-to-base", None, "softmax"),
+        ("qwen3_moe", "logit-l2", "softmax", "softmax"),
+        ("moonlight", "logit-l2", "softmax", "softmax"),
     ],
 )
-def test_base_router_losses_by_hand_on_valid_tokens(arch, method, transform):
+def test_base_router_losses_by_hand_on_valid_tokens(arch, method, given, transform):
     model, routers, _, input_ids = make_case(arch)
     model.train()
     base = [r.weight.detach().double().clone() for r in routers]
-    handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.1, router_transform=transform))
+    handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.1, router_transform=given))
     assert float(handle_loss_of(model, handle, input_ids)) == pytest.approx(0.0, abs=1e-9)
 
     gen = torch.Generator().manual_seed(12)

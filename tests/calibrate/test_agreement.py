@@ -77,13 +77,13 @@ def test_agreement_equals_the_hand_count(setup, moon_tok):
 def test_mutant_prior_row_off_by_one_is_caught(setup, moon_tok, monkeypatch):
     """The bug: each sampled row reads the span prior of the next row (a 1-based line number used as the
     0-based row index)."""
-    load = rpb.calibrate.agreement.load_artifact
+    load = rpb.calibrate.agreement.load_prior
 
     def shifted(path):
         artifact = load(path)
         return dataclasses.replace(artifact, prior_qa=artifact.prior_qa.roll(-1, dims=0))
 
-    monkeypatch.setattr(rpb.calibrate.agreement, "load_artifact", shifted)
+    monkeypatch.setattr(rpb.calibrate.agreement, "load_prior", shifted)
     with pytest.raises(AssertionError, match=r"overlap_prior.* differs from hand"):
         check_agreement(setup, moon_tok)
 

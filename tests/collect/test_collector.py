@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from rpb.artifact import ArtifactError, TensorSpec, load_artifact, read_metadata, write_streamed
+from rpb.artifact import ArtifactError, TensorSpec, load_artifact, read_metadata, stream_artifact, write_streamed
 from rpb.cli import main
 from rpb.collect import collect, plan_batches
 from rpb.collect.rows import index_rows, label_range, label_rows, scan_rows
@@ -51,6 +52,13 @@ def cli_args(model, data, out, *extra):
             *extra]  # fmt: skip
 
 
+def data_section_sha256(path) -> str:
+    """sha256 of every byte after the header, read from the file's own bytes."""
+    raw = Path(path).read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    return hashlib.sha256(raw[8 + header_len :]).hexdigest()
+
+
 def assert_same_artifact(out, reference):
     tensors, meta = reference
     got = load_file(out)  # the safetensors library reads what write_streamed wrote
@@ -58,6 +66,7 @@ def assert_same_artifact(out, reference):
     for name in tensors:
         assert got[name].dtype == tensors[name].dtype and torch.equal(got[name], tensors[name]), name
     assert read_metadata(out) == meta
+    assert meta["schema_version"] == 3 and meta["tensors_sha256"] == data_section_sha256(out)
 
 
 def interrupt_after(monkeypatch, chunks: int):
@@ -92,6 +101,18 @@ def test_streamed_file_reads_like_save_file(tmp_path):
     with pytest.raises(ValueError, match="bytes written"):
         write_streamed(tmp_path / "short.safetensors", specs, {}, lambda spec: [tensors[spec.name][:3]])
     assert not (tmp_path / "short.safetensors").exists() and sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
+def test_a_streamed_artifact_gets_the_hash_of_its_bytes_in_place(tmp_path):
+    """The header is written first, with a placeholder where the hash goes, patched once the bytes are out."""
+    tensors = {"a": torch.rand(7, 3), "b": torch.arange(7)}
+    specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+    out = tmp_path / "streamed.safetensors"
+    digest = stream_artifact(out, specs, {"schema": "s"}, lambda spec: tensors[spec.name].split([3, 4]))
+    assert digest == data_section_sha256(out) == hashlib.sha256(b"".join(
+        t.numpy().tobytes() for t in tensors.values())).hexdigest()  # fmt: skip
+    assert read_metadata(out) == {"schema": "s", "tensors_sha256": digest}
+    assert all(torch.equal(load_file(out)[k], v) for k, v in tensors.items())
 
 
 def anonymous_kib() -> int:

@@ -99,12 +99,20 @@ def nudge_expert_bias(module, args, output) -> None:
         module.e_score_correction_bias.add_(1e-3)
 
 
-def frozen_deepseek(tmp_path, hook: bool):
+def nudge_weight(module, args) -> None:
+    """A frozen router's weight moved before every forward (before autograd saves it)."""
+    with torch.no_grad():
+        module.weight.add_(1e-3)
+
+
+def frozen_deepseek(tmp_path, hook: bool, nudge=nudge_expert_bias):
     model = build_tiny_model("moonlight", vocab_size=64)  # DeepSeek-V3 routing
     for r in routers(model, "deepseek_v3"):
         r.weight.requires_grad_(False)
-        if hook:
-            r.register_forward_hook(nudge_expert_bias)
+        if hook and nudge is nudge_weight:
+            r.register_forward_pre_hook(nudge)
+        elif hook:
+            r.register_forward_hook(nudge)
     return plain_trainer(tmp_path, model)
 
 
@@ -113,6 +121,15 @@ def test_a_hook_moving_a_frozen_routers_expert_bias_is_caught(tmp_path):
     assert report.asked.router == "frozen"  # read from requires_grad
     assert all(a.expert_bias > 0 and a.moved == 0 and a.grad == 0 for a in report.layers)
     assert len(report.contradictions) == 1 and "expert-correction bias changed" in report.contradictions[0]
+
+
+def test_a_hook_moving_a_frozen_routers_weight_is_caught_and_nothing_else(tmp_path):
+    """The step-2 reruns start from the same router weights: the hook's moves, which change a sigmoid family's
+    loss, are not read as a native load-balancing loss."""
+    report = audit(frozen_deepseek(tmp_path, hook=True, nudge=nudge_weight))
+    assert report.asked == Asked("frozen", native_aux=False)
+    assert report.loss["native_aux"] == 0 and all(a.moved > 0 and a.grad == 0 for a in report.layers)
+    assert [c.split(" (")[0] for c in report.contradictions] == ["router frozen asked, router changed"]
 
 
 def test_a_frozen_router_left_alone_passes(tmp_path):
@@ -176,6 +193,22 @@ def test_a_native_aux_loss_turned_back_on_after_the_anchor_is_caught(tmp_path):
     assert len(report.contradictions) == 1 and "the model's own is in the loss" in report.contradictions[0]
 
 
+class AddsTheNativeLoss(Trainer):
+    """A trainer asking the model for its router logits at every forward: the native loss joins the loss the
+    model's config turned off."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, {**inputs, "output_router_logits": True}, return_outputs,
+                                    num_items_in_batch)  # fmt: skip
+
+
+def test_a_native_aux_loss_the_models_config_turns_off_is_caught_without_being_told(tmp_path):
+    model = build_tiny_model("qwen3_moe", vocab_size=64, router_aux_loss_coef=0.5)  # output_router_logits off
+    report = audit(AddsTheNativeLoss(model=model, args=arguments(tmp_path), train_dataset=PlainRows()))
+    assert report.asked.native_aux is False and report.loss["native_aux"] > 0
+    assert len(report.contradictions) == 1 and "the model's own is in the loss" in report.contradictions[0]
+
+
 # ---- trap 4: LoRA reaching a router meant to stay frozen ------------------------------------------------------
 
 
@@ -199,6 +232,24 @@ def test_lora_on_a_router_meant_frozen_is_caught(tmp_path):
 def test_lora_leaving_the_router_out_passes(tmp_path):
     report = audit(lora_trainer(tmp_path, "none"), Asked(router="frozen"))
     assert report.contradictions == [] and all(a.peft is None and a.moved == 0 for a in report.layers)
+
+
+def test_a_router_frozen_by_hand_before_rpbs_lora_then_trained_as_a_copy_is_caught(tmp_path):
+    """PEFT freezes every base weight: only rpb's record tells that the first MoE layer's router was frozen
+    before the wrap made a trainable copy of it; the other layer's router, free before, trains as asked."""
+    from rpb.lora import LoraSection, apply_lora
+
+    torch.manual_seed(0)
+    model = build_tiny_model("qwen3_moe", vocab_size=64)
+    first, _ = find_moe_layers(model, get_adapter("qwen3_moe"))
+    first.router.weight.requires_grad_(False)
+    model = apply_lora(model, LoraSection(rank=4, router="full"), get_adapter("qwen3_moe"))
+    report = audit(plain_trainer(tmp_path, model))
+    assert report.asked.frozen_layers == (first.layer_index,) and all(a.moved > 0 for a in report.layers)
+    assert [c.split(" (")[0] for c in report.contradictions] == [
+        "router frozen asked, router changed", "router frozen asked, but PEFT wraps the router"
+    ]  # fmt: skip
+    assert all(f"(MoE layer {first.layer_index}:" in c for c in report.contradictions)  # the other is not named
 
 
 # ---- the CLI on rpb train configurations ----------------------------------------------------------------------
@@ -234,7 +285,7 @@ def test_rpb_audit_passes_a_correct_config_and_writes_only_its_report(run_files,
     assert "| layer | asked |" in printed and "no contradiction" in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.json", "train.yaml"]  # no run folder
     report = json.loads((tmp_path / "audit.json").read_text())
-    assert report["asked"] == {"router": "free", "anchor": "rpb", "native_aux": False}
+    assert report["asked"] == {"router": "free", "anchor": "rpb", "native_aux": False, "frozen_layers": []}
     assert all(layer["seen_by_anchor"] and layer["biased"] > 0 for layer in report["layers"])
 
 
@@ -243,3 +294,26 @@ def test_rpb_audit_exits_3_on_a_contradiction(run_files, tmp_path, capsys, monke
     monkeypatch.setattr(torch.Tensor, "requires_grad_", lambda self, flag=True: self)
     assert rpb_audit(run_files, tmp_path, "anchor.method=router-freeze") == 3
     assert "router frozen asked, router changed" in capsys.readouterr().out
+
+
+def test_rpb_audit_passes_sft_training_only_chosen_experts(run_files, tmp_path, capsys):
+    """``train.only_experts`` freezes the router (a non-expert module): no gradient reaching it is as asked."""
+    choice = tmp_path / "experts.json"
+    choice.write_text(json.dumps({"experts": {"1": [0, 1], "2": [2]}, "non_expert_modules": False}))
+    assert rpb_audit(run_files, tmp_path, "anchor.method=sft", f"train.only_experts={choice}") == 0
+    assert "no contradiction" in capsys.readouterr().out
+    report = json.loads((tmp_path / "audit.json").read_text())
+    assert report["asked"]["router"] == "frozen"
+    assert all(layer["grad"] == 0 and layer["moved"] == 0 for layer in report["layers"])
+
+
+def test_rpb_audit_runs_minimax_m2_whose_router_takes_the_blocks_bias(run_files, replica, tmp_path, capsys):
+    """MiniMax-M2's router cannot be called alone: its MoE block hands it the expert-correction bias."""
+    _, data, _ = run_files
+    write_config(tmp_path)
+    assert main(["audit", "--config", str(tmp_path / "train.yaml"), f"model={replica('minimax_m2')}",
+                 f"data_jsonl={data}", "anchor.method=sft", "train.max_seq_len=128", f"output_dir={tmp_path / 'run'}",
+                 "train.calibrate_rows=0", "--report", str(tmp_path / "audit.json")]) == 0  # fmt: skip
+    assert "no contradiction" in capsys.readouterr().out
+    layers = json.loads((tmp_path / "audit.json").read_text())["layers"]
+    assert len(layers) == 2 and all(a["grad"] > 0 and a["moved"] > 0 and a["expert_bias"] == 0 for a in layers)

@@ -3,6 +3,7 @@ TensorBoard (read back from the event files), and an alarm fires on a run built 
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -96,7 +97,8 @@ def test_an_alarm_fires_on_a_collapsing_layer_and_stops_training(tmp_path, caplo
     assert logs[0]["routing/max/dead_fraction"] < 0.7 and "routing/alarm" not in logs[0]
     assert logs[1]["routing/max/dead_fraction"] == 0.75 and logs[1]["routing/alarm"] == 1.0  # 6 of 8 unused
     assert t.state.global_step == 2  # stopped at the alarm
-    assert "left 0.750 of its experts unused (alarm above 0.7)" in caplog.text
+    index = find_moe_layers(t.model, get_adapter("qwen3_moe"))[0].layer_index
+    assert f"layer {index} left 0.750 of its experts unused (alarm above 0.7)" in caplog.text
 
 
 class CountHooks(TrainerCallback):
@@ -131,3 +133,26 @@ def test_on_an_anchored_trainer_it_reads_the_anchors_taps_beside_the_anchors_own
     assert keep.logs[0]["routing/mean/topk_overlap"] == 1.0 == keep.logs[0]["moe/mean/base_topk_overlap_current_hidden"]
     assert keep.logs[1]["routing/mean/kl"] > 0
     handle.remove()
+
+
+def test_trainer_state_json_holds_the_figures_and_a_second_train_logs_them_again(tmp_path):
+    """The figures (and the alarm count) reach state.log_history, so the checkpoint's trainer_state.json; the
+    logging callbacks after the monitor see them; a second train() on the same trainer logs them again."""
+    keep = Keep()
+    t = trainer(tmp_path, 2, callbacks=[keep], report_to=())
+    t.args.save_strategy, t.args.save_steps = "steps", 2
+    attach_monitor(t, MonitorConfig(min_overlap=1.01))  # an alarm at every window: overlap never exceeds 1
+    t.train()
+    history = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    steps = [entry for entry in history if "loss" in entry]
+    assert [entry["step"] for entry in steps] == [1, 2]
+    for entry, seen in zip(steps, keep.logs, strict=True):
+        routing = {k: v for k, v in entry.items() if k.startswith("routing/")}
+        assert len(routing) == 3 * len(FIGURES) + 1 and routing["routing/alarm"] == 1.0
+        assert routing == {k: v for k, v in seen.items() if k.startswith("routing/")}
+    first = len(keep.logs)
+    t.train()  # the same trainer again: the monitor's hooks back on the routers
+    again = keep.logs[first:]
+    assert len(again) == 2 and all("routing/mean/kl" in logs for logs in again)
+    assert all("routing/mean/kl" in entry for entry in t.state.log_history if "loss" in entry)
+    assert again[0]["routing/mean/kl"] > 0  # the base is the first run's start, which both runs left

@@ -3,12 +3,14 @@ observed on one forward, every figure recomputed in float64 from the hidden stat
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 import torch
 
 from rpb.adapters import find_moe_layers, get_adapter
+from rpb.errors import ArgumentError
 from rpb.monitor import FIGURES, MonitorConfig, RoutingMonitor
 from rpb.testing.models import build_tiny_model
 
@@ -111,4 +113,164 @@ def test_with_an_anchor_installed_the_monitor_reads_its_taps_and_keeps_its_own_w
     assert tapped.flush() == {}
     tapped.remove()
     assert handle.taps == []
+    handle.remove()
+
+
+def moved(model, arch, scale=0.5, only=None, seed=0):
+    """The model's MoE layers, their base router weights, and the routers moved by a seeded amount (every
+    layer, or the positions in ``only``)."""
+    layers = find_moe_layers(model, get_adapter(arch))
+    base = [m.router.weight.detach().clone() for m in layers]
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pos, m in enumerate(layers):
+            step = torch.randn(m.router.weight.shape, generator=gen) * scale
+            if only is None or pos in only:
+                m.router.weight.add_(step)
+    return layers, base
+
+
+class Hidden:
+    """Each router's input on the last forward, [tokens, hidden]."""
+
+    def __init__(self, layers):
+        self.seen = [None] * len(layers)
+        self.hooks = [m.router.register_forward_hook(self._hook(i)) for i, m in enumerate(layers)]
+
+    def _hook(self, i):
+        def hook(mod, args, out):
+            self.seen[i] = args[0].reshape(-1, args[0].shape[-1]).detach().clone()
+
+        return hook
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+
+
+def test_forwards_without_labels_count_attended_tokens_said_once_and_a_given_mask_narrows_them(caplog):
+    """No labels: every attended token, one warning per monitor; ``tokens(mask)``: exactly the mask's tokens
+    (a GRPO step's completions), against the hand computation on them."""
+    model = build_tiny_model("qwen3_moe", vocab_size=64, seed=3)
+    monitor = RoutingMonitor(model, MonitorConfig(per_layer=True)).attach()
+    layers, base = moved(model, "qwen3_moe")
+    hidden = Hidden(layers)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 64, (2, 10), generator=gen)
+    attention = torch.ones_like(ids)
+    attention[1, 7:] = 0  # padding
+    completion = torch.zeros_like(ids, dtype=torch.bool)
+    completion[0, 4:], completion[1, 5:7] = True, True  # the completion tokens, prompts and padding left out
+    with caplog.at_level(logging.WARNING, logger="rpb.monitor"), torch.no_grad():
+        for keep_BT in (attention.bool(), completion):
+            for _ in range(2):
+                if keep_BT is completion:
+                    with monitor.tokens(completion):
+                        model(input_ids=ids, attention_mask=attention)
+                else:
+                    model(input_ids=ids, attention_mask=attention)
+            figures = monitor.flush()
+            keep = keep_BT.reshape(-1)
+            for m, w0, h_TH in zip(layers, base, hidden.seen, strict=True):
+                twice = torch.cat([h_TH[keep], h_TH[keep]])  # two forwards in the window
+                want = hand_figures(twice, w0, m.router.weight.detach(), m.router.top_k)
+                got = {name: figures[f"routing/layer_{m.layer_index}/{name}"] for name in FIGURES}
+                assert got == pytest.approx(want, rel=1e-6, abs=1e-9), (keep_BT is completion, m.layer_index)
+    said = [r.getMessage() for r in caplog.records if "without labels" in r.getMessage()]
+    assert len(said) == 1 and "every attended token" in said[0] and "RoutingMonitor.tokens" in said[0]
+    wrong = r"the mask has shape \(2, 9\), the forward's input_ids \(2, 10\)"
+    with pytest.raises(ArgumentError, match=wrong), monitor.tokens(completion[:, :9]), torch.no_grad():
+        model(input_ids=ids)
+    hidden.remove()
+    monitor.remove()
+
+
+def test_alarms_name_the_layer_that_crossed():
+    """Only the second MoE layer collapses (every token to experts 0 and 1): the overlap and dead-share alarms
+    name its decoder layer index; the KL jump says it is the mean over layers."""
+    from tests.monitor.test_callback import collapse_hook
+
+    model = build_tiny_model("qwen3_moe", vocab_size=64, seed=3)
+    config = MonitorConfig(min_overlap=0.99, max_dead_fraction=0.5, max_kl_jump=1e-6)
+    monitor = RoutingMonitor(model, config).attach()
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert monitor.alarms(monitor.flush()) == []  # the base: nothing crossed
+    layers = find_moe_layers(model, get_adapter("qwen3_moe"))
+    collapse_hook(layers[1].router)
+    with torch.no_grad():
+        model(input_ids=ids)
+    figures = monitor.flush()
+    index = layers[1].layer_index
+    assert index != layers[0].layer_index and figures["routing/max/dead_fraction"] == 0.75  # 6 of 8 unused
+    assert monitor.alarms(figures) == [
+        f"layer {index}'s top-k overlap with the base fell to {figures['routing/min/topk_overlap']:.3f} "
+        "(alarm below 0.99)",
+        f"layer {index} left 0.750 of its experts unused (alarm above 0.5)",
+        f"the KL from the base, mean over the MoE layers, jumped {figures['routing/mean/kl']:.4f} in one window "
+        "(alarm above 1e-06)",
+    ]
+    monitor.last_layers = {"dead_fraction": {0: 0.6, 3: 0.8, 5: 0.4, 7: 0.7}}  # several layers past the alarm
+    assert monitor.alarms({"routing/max/dead_fraction": 0.8}) == [
+        "layer 3 left 0.800 of its experts unused (alarm above 0.5; layers 0, 7 too)"
+    ]
+    monitor.remove()
+
+
+@pytest.mark.parametrize(
+    ("arch", "given", "other"),
+    [
+        ("moonlight", None, "softmax"),  # a sigmoid family, no prior, no setting: the family's normalised sigmoid
+        ("qwen3_moe", "sigmoid-normalized", "softmax"),  # the anchor's setting (a prior's, as rpb train resolves)
+    ],
+)
+def test_the_monitors_kl_is_the_quantity_kl_to_base_minimises(arch, given, other):
+    """The anchor's term, the monitor reading its taps and a hand KL of the anchor's transform agree (the
+    other transform's KL would differ)."""
+    from rpb.anchors import AnchorConfig, install_anchor
+
+    model = build_tiny_model(arch, vocab_size=64, seed=1).train()
+    handle = install_anchor(model, AnchorConfig(method="kl-to-base", lambda_=1.0, router_transform=given))
+    monitor = RoutingMonitor(model, anchor=handle).attach()
+    assert monitor.transform == "sigmoid-normalized"
+    layers, base = moved(model, model.config.model_type, scale=0.3)
+    hidden = Hidden(layers)
+    ids = torch.randint(1, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    sample = torch.arange(2)[:, None].expand(2, 9)
+    with torch.no_grad(), handle.step(sample, torch.ones_like(ids), torch.ones_like(ids)):
+        model(input_ids=ids, labels=ids)
+        loss = float(handle.loss())
+    kl = monitor.flush()["routing/mean/kl"]
+
+    def probs(z, transform):
+        return torch.softmax(z, -1) if transform == "softmax" else torch.sigmoid(z) / torch.sigmoid(z).sum(-1, True)
+
+    def hand(transform):
+        per_layer = []
+        for m, w0, h_TH in zip(layers, base, hidden.seen, strict=True):
+            p0 = probs(h_TH.double() @ w0.double().T, transform)
+            p1 = probs(h_TH.double() @ m.router.weight.detach().double().T, transform)
+            per_layer.append(float((p0 * (p0.log() - p1.log())).sum(-1).mean()))
+        return sum(per_layer) / len(per_layer)
+
+    assert kl == pytest.approx(hand("sigmoid-normalized"), rel=1e-5) and loss == pytest.approx(kl, rel=1e-4)
+    assert abs(hand(other) - kl) > 0.05 * kl
+    hidden.remove()
+    monitor.remove()
+    handle.remove()
+
+
+def test_a_bare_monitor_reads_its_setting_else_the_familys(caplog):
+    from rpb.anchors import AnchorConfig, install_anchor
+
+    model = build_tiny_model("moonlight", vocab_size=64, seed=1)
+    assert RoutingMonitor(model).transform == "sigmoid-normalized"  # DeepSeek-V3's sigmoid routers
+    assert RoutingMonitor(model, MonitorConfig(router_transform="softmax")).transform == "softmax"
+    with pytest.raises(ArgumentError, match=r"MonitorConfig\.router_transform: one of"):
+        RoutingMonitor(model, MonitorConfig(router_transform="sigmoid"))
+    handle = install_anchor(model, AnchorConfig(method="kl-to-base", lambda_=1.0))
+    with caplog.at_level(logging.WARNING, logger="rpb.monitor"):
+        assert RoutingMonitor(model, MonitorConfig(router_transform="softmax"), anchor=handle).transform == "softmax"
+    assert "KL read as softmax, while the anchor's kl-to-base reads sigmoid-normalized" in caplog.text
     handle.remove()

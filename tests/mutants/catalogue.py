@@ -461,8 +461,8 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
     Mutant(
         name="validate_skips_row_sums",
         story="rpb validate never checks that each prior row sums to 1",
-        path="validate.py",
-        function="_check_tensors",
+        path="artifact_checks.py",
+        function="value_problems",
         pattern=r"off = \(sums - 1\)\.abs\(\) > ROW_SUM_TOLERANCE",
         replacement="off = torch.zeros_like(sums, dtype=torch.bool)",
         tests=("tests/test_validate.py::test_damaged_tensors_are_all_reported",),
@@ -569,7 +569,7 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         story="LoRA on chosen experts masks lora_A's gradient only: the unchosen experts' B columns learn",
         path="experts/masks.py",
         function="mask_lora_to_experts",
-        pattern=r"b\.register_hook\(lambda g, m=cols: g \* m\)",
+        pattern=r"GradMask\(module, lambda m=module, k=adapter: m\.lora_B\[k\]\.weight, cols\)",
         replacement="pass",
         tests=(
             "tests/experts/test_masks.py::test_only_the_chosen_experts_train_and_the_rest_stay_bit_identical[lora]",

@@ -76,7 +76,8 @@ class RouterFacts:
     top_k_config: str = "num_experts_per_tok"
     #: the router module's name within a decoder layer (PEFT's modules_to_save key)
     router_module: str = "mlp.gate"
-    #: the routed experts' fused weights (transformers v5), which LoRA targets by parameter
+    #: the routed experts' fused weights (transformers v5), which LoRA targets by parameter. Every parameter of the
+    #: module holding them is per expert (gpt-oss's ``[E, out]`` biases too): train.only_experts masks them all
     expert_parameters: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     #: config keys the native class ignores, and the values it implements (``unimplemented_routing``)
     native_values: tuple[NativeValue, ...] = ()
@@ -286,6 +287,16 @@ def expert_bias_of(layer: MoELayer, facts: RouterFacts) -> torch.Tensor | None:
     if facts.expert_bias is None:
         return None
     return getattr(layer.block if facts.expert_bias_on_block else layer.router, facts.expert_bias)
+
+
+def call_router(layer: MoELayer, facts: RouterFacts, hidden_TH: torch.Tensor, module: nn.Module | None = None):
+    """One forward of what sits at ``layer``'s router place (``module``; default: PEFT's wrapper, else the router)
+    on ``hidden_TH``, handed what the family's MoE block hands it beside the hidden states: the block's
+    expert-correction bias where the family keeps it there (MiniMax-M2). Returns the router's output as it is
+    (``router_output`` reads it)."""
+    module = module if module is not None else (layer.wrapper or layer.router)
+    extra = (expert_bias_of(layer, facts),) if facts.expert_bias_on_block else ()
+    return module(hidden_TH, *extra)
 
 
 def router_spec(router: nn.Module, facts: RouterFacts) -> RouterSpec:

@@ -4,7 +4,7 @@
 ``handle`` installs a method into a Hugging Face model's routers (reversibly), ``context``
 carries each step's per-token (sample, span), ``prior_routing`` turns the prior into a step's
 bias or forced top-k, ``controls`` builds the shuffled controls, ``verify`` checks a prior
-against the run about to use it.
+against the run about to use it, ``transform`` chooses the run's one router transform.
 """
 
 from rpb.anchors.config import AnchorConfig

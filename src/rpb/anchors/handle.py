@@ -40,6 +40,7 @@ from rpb.anchors.context import TokenContext
 from rpb.anchors.methods import Method, RouterState, get_method
 from rpb.anchors.prior_routing import PriorRouting
 from rpb.anchors.stats import LayerStats
+from rpb.anchors.transform import family_transform
 from rpb.errors import ArgumentError
 from rpb.routing import RouterSpec, combine_weights, select_with_groups
 
@@ -115,6 +116,12 @@ class AnchorHandle:
             )
         return term
 
+    @property
+    def router_transform(self) -> str:
+        """The transform ``kl-to-base`` (and a monitor reading this anchor) reads the routers with:
+        ``config.router_transform`` (``rpb train`` resolves the prior's into it), else the family's."""
+        return self.config.router_transform or family_transform(self.facts.score_function)
+
     def _device(self) -> torch.device:
         return self.layers[0].moe.router.weight.device
 
@@ -186,7 +193,7 @@ class AnchorHandle:
 
     def _loss_term(self, layer: _Layer, module, hidden, logits_TE, valid_T) -> torch.Tensor:
         reads = self.method.loss.reads
-        state = RouterState(layer.spec.score_function, layer.spec.top_k, self.config.router_transform or "softmax")
+        state = RouterState(layer.spec.score_function, layer.spec.top_k, self.router_transform)
         if reads & {"logits", "base_logits"}:
             state.logits_TE, state.valid_T = logits_TE, valid_T
         if "base_logits" in reads:

@@ -35,7 +35,9 @@ class RunFacts:
     max_seq_len: int
     moe_layers: list
     num_experts: int
-    router_transform: str | None = None  # None: whatever the prior used
+    #: the run's explicit transform (None: the prior's); not a mismatch when it differs, only said
+    #: (``rpb.anchors.transform.run_transform``): the prior's routing does not depend on it
+    router_transform: str | None = None
     routed_positions: str = ROUTED_ALL_POSITIONS
     #: the chat template's keyword arguments (enable_thinking, ...): another value renders other tokens
     chat_template_kwargs: dict = field(default_factory=dict)
@@ -80,8 +82,6 @@ def verify_prior(meta: dict, run: RunFacts, path: str = "prior") -> None:
         check("chat_template_sha256", meta.get("chat_template_sha256"), run.chat_template_sha256)
     # a prior of schema 1 was rendered without keyword arguments (rpb had none to give)
     check("chat_template_kwargs", meta.get("chat_template_kwargs", {}), run.chat_template_kwargs)
-    if run.router_transform is not None:
-        check("router_transform", meta.get("router_transform"), run.router_transform)
     mismatches += [m for m in model if m[0] == "top_k"]
     check("max_seq_len", meta.get("max_seq_len"), run.max_seq_len)
     check("routed_positions", meta.get("routed_positions"), run.routed_positions)

@@ -16,7 +16,7 @@ import torch
 
 from rpb.adapters import find_moe_layers
 from rpb.anchors.verify import PriorMismatchError
-from rpb.artifact import load_artifact
+from rpb.artifact_checks import load_prior
 from rpb.calibrate.measure import set_overlap
 from rpb.collect.collector import plan_batches
 from rpb.collect.rows import index_rows, label_rows
@@ -33,7 +33,7 @@ def training_rows_agreement(
 ) -> dict:  # fmt: skip
     """``{"overlap_base": [per layer], "overlap_prior": [per layer], "mean_overlap_base", "mean_overlap_prior",
     "rows", "seed"}`` for the post-trained model on a seeded sample of the prior's rows."""
-    artifact = load_artifact(prior)
+    artifact = load_prior(prior)
     max_seq_len = artifact.metadata["max_seq_len"]
     tok = load_tokenizer(str(base))
     meta = artifact.metadata

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from rpb.adapters import MoELayer, find_moe_layers, routers_sha256
 from rpb.anchors import AnchorConfig, AnchorHandle, RunFacts, install_anchor, verify_prior
-from rpb.artifact import load_artifact
+from rpb.artifact_checks import load_prior
 from rpb.calibrate import rule
 from rpb.calibrate.measure import SUBSETS, RowSums, ratio_with_ci, same_sets, set_overlap
 from rpb.collect.collector import plan_batches
@@ -185,7 +185,7 @@ def calibrate(
     every row of a smaller file); write calibrate.json, calibrate.md and calibrate.png to ``out`` (when
     given) and return the report."""
     betas = check_arguments(betas, rows)
-    artifact = load_artifact(prior)
+    artifact = load_prior(prior)  # every value checked, before any model loads
     meta = artifact.metadata
     tok = load_tokenizer(tokenizer or model, trust_remote_code)
     template = ChatTemplate(tok, meta.get("chat_template_kwargs"), meta.get("chat_template_date"))  # as collected

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from rpb.artifact import TensorSpec, atomic_save, header_metadata, write_streamed
+from rpb.artifact import TensorSpec, atomic_save, stream_artifact
 from rpb.errors import RpbError
 from rpb.fileio import write_text_atomic
 from rpb.prior import NUM_SPANS
@@ -142,7 +142,8 @@ class WorkDir:
         return t
 
     def assemble(self, metadata: dict, num_layers: int, num_experts: int, row_digests: bytes) -> None:
-        """Stream every chunk, in row order, into the artifact at ``out_path`` (atomically)."""
+        """Stream every chunk, in row order, into the artifact at ``out_path`` (atomically), hashing the
+        tensor bytes as they go (``tensors_sha256``, patched into the header before the rename)."""
         missing = sorted(set(self.chunks) - self.done())
         if missing:
             raise WorkDirError(
@@ -163,7 +164,7 @@ class WorkDir:
                     raise WorkDirError(f"{self.chunk_path(a, b)}: computed on other rows than the data file's")
                 yield t
 
-        write_streamed(self.out_path, specs, header_metadata(metadata), pieces, tmp_dir=self.path)
+        stream_artifact(self.out_path, specs, metadata, pieces, tmp_dir=self.path)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -69,6 +69,17 @@ def choose(scores_LE: torch.Tensor, threshold: float | None = None, top_n: int |
     return out
 
 
+def never_selected(chosen: list[list[int]], shares_LE: torch.Tensor, layers: list[int]) -> dict[int, list[int]]:
+    """The chosen experts whose token-selection share is 0, per decoder layer (``layers``: the rows' indices);
+    layers with none left out."""
+    out = {}
+    for layer, ids, row in zip(layers, chosen, shares_LE, strict=True):
+        zero = [e for e in ids if float(row[e]) == 0.0]
+        if zero:
+            out[layer] = zero
+    return out
+
+
 @dataclass
 class ExpertChoice:
     """The experts to train per MoE layer (decoder layer index -> expert ids), in ESFT's file format."""

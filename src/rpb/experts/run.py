@@ -2,23 +2,32 @@
 
 ``gate`` needs the prior alone. ``token`` runs the base once over the prior's own data file (its sha256 and the
 base's routers are checked against the prior's metadata first) and counts each sample's top-k selections.
+
+Whatever the measure, a chosen expert the router never selects on the task's tokens (token-selection share 0)
+is named in a warning and in the file (``rpb.never_selected``): training it changes nothing the model computes
+on this data. The gate measure can rank such an expert high (it reads the router's probabilities, which ignore
+an expert-correction bias that selection adds); the check takes the base and the data, so with ``gate`` it runs
+when ``--model`` and ``--data-jsonl`` are given, and a line says it did not otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from rpb.adapters import find_moe_layers, routers_sha256
-from rpb.artifact import load_artifact
+from rpb.artifact_checks import load_prior
 from rpb.data import collate, file_sha256, load_labelled
 from rpb.errors import ArgumentError
-from rpb.experts.choice import SPANS, ExpertChoice, choose, gate_scores, selection_ratio
+from rpb.experts.choice import SPANS, ExpertChoice, choose, gate_scores, never_selected, selection_ratio
 from rpb.fileio import write_text_atomic
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
 from rpb.retention.trace import RouterTap, route_batch
+
+logger = logging.getLogger(__name__)
 
 MEASURES = ("gate", "token")
 
@@ -46,19 +55,23 @@ def run_experts(
         raise ArgumentError(f"measure: one of {MEASURES}, span: one of {tuple(SPANS)}; got {measure!r}, {span!r}")
     if threshold is None and top_n is None:
         threshold = 0.2  # ESFT's usual top-p
-    artifact = load_artifact(prior)
+    artifact = load_prior(prior)
     meta = artifact.metadata
-    if measure == "gate":
-        scores_LE = gate_scores(artifact.prior_qa, artifact.span_tokens, span)
-    else:
-        if not (model and data_jsonl):
-            raise ArgumentError("measure token: --model (the prior's base) and --data-jsonl (its data) are needed")
-        scores_LE = token_scores(meta, model, data_jsonl, tokenizer, span, batch_size, adapter, dtype, device,
+    if measure == "token" and not (model and data_jsonl):
+        raise ArgumentError("measure token: --model (the prior's base) and --data-jsonl (its data) are needed")
+    # the token-selection share, which the zero-share check reads whatever the measure
+    shares_LE = None
+    if model and data_jsonl:
+        shares_LE = token_scores(meta, model, data_jsonl, tokenizer, span, batch_size, adapter, dtype, device,
                                  progress)  # fmt: skip
+    scores_LE = shares_LE if measure == "token" else gate_scores(artifact.prior_qa, artifact.span_tokens, span)
     chosen = choose(scores_LE, threshold, top_n)
+    unselected = None if shares_LE is None else never_selected(chosen, shares_LE, meta["moe_layers"])
+    _warn_never_selected(unselected, span)
     provenance = {"measure": measure, "span": span, "threshold": threshold, "top_n": top_n, "prior": str(prior),
                   "prior_sha256": file_sha256(prior), "data_sha256": meta["data_sha256"], "model": meta["model"],
                   "num_experts": meta["num_experts"],
+                  "never_selected": None if unselected is None else {str(k): v for k, v in unselected.items()},
                   "scores": {str(i): [round(float(x), 6) for x in row] for i, row in zip(meta["moe_layers"], scores_LE,
                                                                                          strict=True)}}  # fmt: skip
     choice = ExpertChoice(dict(zip(meta["moe_layers"], chosen, strict=True)), shared_experts, non_expert_modules,
@@ -66,6 +79,17 @@ def run_experts(
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, choice.to_json() + "\n")
     return choice
+
+
+def _warn_never_selected(unselected: dict[int, list[int]] | None, span: str) -> None:
+    if unselected is None:
+        logger.warning("rpb experts: whether the router ever selects the chosen experts was not checked: it takes "
+                       "the base and the data (--model, --data-jsonl)")  # fmt: skip
+    elif unselected:
+        where = "; ".join(f"layer {layer}: {ids}" for layer, ids in unselected.items())
+        logger.warning("rpb experts: %d chosen experts are never selected by the router on the task's tokens "
+                       "(span %s; token-selection share 0), so training them changes nothing on this data: %s",
+                       sum(map(len, unselected.values())), span, where)  # fmt: skip
 
 
 def token_scores(meta, model_id, data_jsonl, tokenizer, span, batch_size, adapter, dtype, device, progress):

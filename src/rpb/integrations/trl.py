@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import trl
 
 from rpb.anchors import AnchorConfig, AnchorHandle
-from rpb.artifact import load_artifact
+from rpb.artifact_checks import load_prior
 from rpb.config import ConfigError
 from rpb.data import AnchorCollator, LabelledData, LossOn, load_labelled
 from rpb.data.arrow import RPB_COLUMNS, as_dataset
@@ -184,7 +184,7 @@ def prepare(
     and install the anchor; returns ``(handle, rows)`` for ``SFTTrainer(..., train_dataset=rows,
     anchor=handle)``. Call ``handle.remove()`` after training. ``chat_template_kwargs``: the template's keyword
     arguments (``{"enable_thinking": True}``), which must be the prior's."""
-    artifact = load_artifact(prior) if prior else None
+    artifact = load_prior(prior) if prior else None
     max_seq_len = max_seq_len or (artifact.metadata["max_seq_len"] if artifact is not None else None)
     if max_seq_len is None:
         raise ConfigError("prepare", ["max_seq_len: required when there is no prior to read it from"])

@@ -16,8 +16,9 @@ own class and settings. Per MoE layer it reports:
 * ``biased``: the share of content tokens whose experts an rpb selection anchor changed.
 
 The step-2 loss is split the same way (LM, anchor term, native auxiliary loss). ``Asked`` says what the set-up
-means to do (router frozen or free, which anchor, whether a native auxiliary loss belongs); every disagreement
-is a contradiction, and ``rpb audit`` exits 3 when there is one.
+means to do (router frozen or free, which anchor, whether a native auxiliary loss belongs): read from the model
+as the user left it unless given (``rpb.monitor.asked``); every disagreement is a contradiction, and
+``rpb audit`` exits 3 when there is one.
 
 Nothing of the caller's is left changed: every parameter and buffer is put back bit for bit, the random state
 too, and the trainer's state, optimizer, metrics and the anchor's counters are the audit's own copies. It runs
@@ -35,42 +36,16 @@ import random
 
 import torch
 
-from rpb.adapters import MoELayer, find_moe_layers, get_adapter, router_output
+from rpb.adapters import MoELayer, RouterFacts, call_router, find_moe_layers, get_adapter, router_output
 from rpb.adapters.hf import expert_bias_of
-from rpb.anchors import get_method
 from rpb.errors import ArgumentError
+from rpb.monitor.asked import asked_from_config, asked_from_model
 from rpb.monitor.verdict import Asked, AuditReport, LayerAudit, contradictions, significant
+
+__all__ = ["AUX_COEFFICIENTS", "Asked", "AuditReport", "asked_from_config", "asked_from_model", "audit"]
 
 #: attributes holding a native load-balancing coefficient (model heads, their configs, TRL's SFTTrainer)
 AUX_COEFFICIENTS = ("router_aux_loss_coef",)
-
-
-# ---- what the set-up asks -------------------------------------------------------------------------------
-
-
-def asked_from_config(cfg) -> Asked:
-    """What an ``rpb train`` configuration asks: the router frozen by ``router-freeze`` or by LoRA that leaves
-    it out; the method as the anchor (``sft`` anchors nothing); never a native auxiliary loss."""
-    method = get_method(cfg.anchor.method)
-    frozen = method.freeze_router or (cfg.lora.enabled and cfg.lora.router == "none")
-    return Asked("frozen" if frozen else "free", _anchoring(method), native_aux=False)
-
-
-def asked_from_trainer(layers: list[MoELayer], handle) -> Asked:
-    """What a built trainer shows it asks: with an rpb anchor, the anchor's method (and no native auxiliary
-    loss); a router frozen by its method or by ``requires_grad``; a router PEFT wraps counts as free (pass
-    ``Asked`` to say otherwise)."""
-    method = handle.method if handle is not None else None
-    frozen = all(m.wrapper is None and not any(p.requires_grad for p in m.router.parameters()) for m in layers)
-    if method is not None:
-        return Asked("frozen" if frozen or method.freeze_router else "free", _anchoring(method), False)
-    return Asked("frozen" if frozen else "free")
-
-
-def _anchoring(method) -> str | None:
-    """The method's name where it acts on the routing (a selection or a loss term); ``sft`` and
-    ``router-freeze`` anchor nothing."""
-    return method.name if method.selection is not None or method.loss is not None else None
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
@@ -78,28 +53,32 @@ def _anchoring(method) -> str | None:
 
 def audit(trainer, asked: Asked | None = None, rows: int = 4, adapter: str | None = None) -> AuditReport:
     """Two optimizer steps of ``trainer`` (an HF ``Trainer``, TRL's ``SFTTrainer``, rpb's ``AnchorTrainer``)
-    on its first ``rows`` rows; the caller's model, trainer and random state are left as they were."""
+    on its first ``rows`` rows; the caller's model, trainer and random state are left as they were. ``asked``
+    overrides what the model shows was asked (``asked_from_model``)."""
     model, handle = trainer.model, getattr(trainer, "anchor", None)
     facts = handle.facts if handle is not None else get_adapter(adapter or _unwrapped(model).config.model_type)
     layers = [lay.moe for lay in handle.layers] if handle is not None else find_moe_layers(model, facts)
-    asked = asked or asked_from_trainer(layers, handle)
+    asked = asked or asked_from_model(model, layers, handle)
     batch = _first_batch(trainer, rows)
     with _left_as_found(trainer, model, handle) as run:
         run.create_optimizer()
         optimizer = run.optimizer
         inputs = _router_inputs(layers, lambda: run.training_step(model, dict(batch)))  # step 1's forward
-        before = [_effective_logits(m, h) for m, h in zip(layers, inputs, strict=True)]
+        before = [_effective_logits(m, facts, h) for m, h in zip(layers, inputs, strict=True)]
         bias_before = [None if (b := expert_bias_of(m, facts)) is None else b.detach().float().clone() for m in layers]
         _step(run, model, optimizer)
         _zero(model)
-        # step 2, four times on the same weights, buffers and random state: with and without each term
+        # step 2, four times on the same weights, buffers and random state: with and without each term. The
+        # buffers and the routers' parameters are put back before each: a hook may move them in the forward
         found = {}
-        rng, buffers = _rng_state(), {n: b.detach().clone() for n, b in model.named_buffers()}
+        rng = _rng_state()
+        kept = [(t, t.detach().clone()) for _, t in model.named_buffers()]
+        kept += [(p, p.detach().clone()) for m in layers for p in (m.wrapper or m.router).parameters()]
         for anchor_on, aux_on in ((False, False), (True, False), (False, True), (True, True)):
             _set_rng_state(rng)
             with torch.no_grad():
-                for n, b in model.named_buffers():
-                    b.copy_(buffers[n])
+                for t, value in kept:
+                    t.copy_(value)
             with _coefficients(run, model, handle, anchor_on, aux_on):
                 loss = float(run.training_step(model, dict(batch)))
             found[anchor_on, aux_on] = (loss, _router_grads(layers), _projection(model))
@@ -107,7 +86,7 @@ def audit(trainer, asked: Asked | None = None, rows: int = 4, adapter: str | Non
                 _zero(model)
         stats = handle.reset_stats() if handle is not None else {}
         _step(run, model, optimizer)  # with the full step's gradients, the last computed
-        moved = [float((_effective_logits(m, h) - b).abs().max())
+        moved = [float((_effective_logits(m, facts, h) - b).abs().max())
                  for m, h, b in zip(layers, inputs, before, strict=True)]  # fmt: skip
         bias_moved = [None if b is None else float((expert_bias_of(m, facts).float() - b).abs().max())
                       for m, b in zip(layers, bias_before, strict=True)]  # fmt: skip
@@ -270,13 +249,14 @@ def _router_inputs(layers: list[MoELayer], forward_backward) -> list[torch.Tenso
 
 
 @torch.no_grad()
-def _effective_logits(layer: MoELayer, hidden_TH: torch.Tensor) -> torch.Tensor:
-    """The logits of the router that runs (PEFT's LoRA delta or copy included), in eval mode."""
+def _effective_logits(layer: MoELayer, facts: RouterFacts, hidden_TH: torch.Tensor) -> torch.Tensor:
+    """The logits of the router that runs (PEFT's LoRA delta or copy included), in eval mode, called as its
+    family's MoE block calls it."""
     module = layer.wrapper or layer.router
     flags = {m: m.training for m in module.modules()}
     module.eval()
     try:
-        logits = router_output(layer, module(hidden_TH))[0]
+        logits = router_output(layer, call_router(layer, facts, hidden_TH, module))[0]
     finally:
         for m, flag in flags.items():
             m.train(flag)

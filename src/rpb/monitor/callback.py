@@ -2,7 +2,8 @@
 
 Callbacks a user adds run after the Trainer's own, whose logging callbacks (TensorBoard, W&B, ...) have then
 already written the step's logs; ``attach_monitor`` puts this one first, so the figures it adds to the
-``logs`` mapping reach every ``report_to`` integration.
+``logs`` mapping reach every ``report_to`` integration. ``Trainer.log`` has already copied the logs into
+``state.log_history`` (``trainer_state.json``) by then: the figures go into that step's entry too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ class RoutingMonitorCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.monitor is None:  # the base's routers: frozen before the first step changes them
-            self.monitor = RoutingMonitor(model, self.config, self.adapter, self.anchor, training_only=True).attach()
+            self.monitor = RoutingMonitor(model, self.config, self.adapter, self.anchor, training_only=True)
+        else:  # a later train() on the same trainer: the base kept, the last run's unlogged tail dropped
+            self.monitor.flush()
+        self.monitor.attach()  # (again: the last run's end removed the hooks)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.monitor is not None:
@@ -38,12 +42,16 @@ class RoutingMonitorCallback(TrainerCallback):
         if self.monitor is None or logs is None or "loss" not in logs:  # training logs only, not eval's
             return
         figures = self.monitor.flush()
-        logs.update(figures)
         for alarm in self.monitor.alarms(figures):
             logger.warning("rpb routing alarm at step %d: %s", state.global_step, alarm)
-            logs["routing/alarm"] = logs.get("routing/alarm", 0.0) + 1.0
+            figures["routing/alarm"] = figures.get("routing/alarm", 0.0) + 1.0
             if self.config.stop_on_alarm:
                 control.should_training_stop = True
+        logs.update(figures)
+        entry = state.log_history[-1] if state.log_history else None
+        # the copy Trainer.log appended for this very call: its loss is the same object as the logs'
+        if entry is not None and entry.get("step") == state.global_step and entry.get("loss") is logs["loss"]:
+            entry.update(figures)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.monitor is not None:

@@ -2,13 +2,14 @@
 
 Shape legend: T = tokens of one router call, H = hidden size, E = routed experts, K = top-k.
 
-Per MoE layer and logging window, over the loss tokens (``labels != -100``; every attended token when a
-forward has no labels), on the hidden states the current model feeds each router:
+Per MoE layer and logging window, over the loss tokens (``labels != -100``; the tokens of a mask given with
+``RoutingMonitor.tokens``; every attended token when a forward has neither, said once in the log), on the
+hidden states the current model feeds each router:
 
 * ``topk_overlap``: |current top-k ∩ base top-k| / k, both chosen by the family's own rule (groups and the
   expert-correction bias included, no rpb bias: what each router itself would pick);
-* ``kl``: KL(base ‖ current) of the family's router transform (softmax; normalised sigmoid for sigmoid
-  routers), in nats;
+* ``kl``: KL(base ‖ current) of the run's router transform (``MonitorConfig.router_transform``, else the
+  anchor's -- the one its ``kl-to-base`` minimises --, else the family's: ``rpb.anchors.transform``), in nats;
 * ``load_cv``, ``max_share``, ``dead_fraction``, ``entropy``: the current selection's load per expert
   (coefficient of variation, the largest share, the share of experts never chosen, and the entropy of the
   shares over log E).
@@ -16,6 +17,8 @@ forward has no labels), on the hidden states the current model feeds each router
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -25,11 +28,14 @@ from torch.nn import functional
 from rpb.adapters import RouterFacts, find_moe_layers, get_adapter, router_output, router_spec
 from rpb.adapters.hf import expert_bias_of
 from rpb.anchors import AnchorHandle
+from rpb.anchors.transform import family_transform
 from rpb.errors import ArgumentError
-from rpb.prior import router_probs
+from rpb.prior import ROUTER_TRANSFORMS, router_probs
 from rpb.routing import select
 
 FIGURES = ("topk_overlap", "kl", "load_cv", "max_share", "dead_fraction", "entropy")
+
+logger = logging.getLogger("rpb.monitor")
 
 
 @dataclass
@@ -46,6 +52,8 @@ class MonitorConfig:
     max_kl_jump: float | None = None
     #: an alarm stops training (the Trainer's ``should_training_stop``); otherwise it warns and logs
     stop_on_alarm: bool = False
+    #: the KL's transform, "softmax" or "sigmoid-normalized" (None: the anchor's, else the family's)
+    router_transform: str | None = None
 
 
 @dataclass
@@ -74,12 +82,25 @@ class RoutingMonitor:
         self.facts: RouterFacts = get_adapter(self.adapter or self.model.config.model_type)
         self.layers = find_moe_layers(self.model, self.facts)
         self.base = [self._frozen(m) for m in self.layers]
-        self.transform = "sigmoid-normalized" if self.facts.score_function == "sigmoid" else "softmax"
+        self.transform = self._transform()
         self.active = True
         self._mask_T: torch.Tensor | None = None
+        self._mask_source: str | None = None  # "labels", "given", "attention" or None (every token)
+        self._given_BT: torch.Tensor | None = None
+        self._said_unlabelled = False
+        #: the last flush's figures per layer: {figure: {decoder layer index: value}} (the alarms name layers)
+        self.last_layers: dict[str, dict[int, float]] = {}
         self._hooks: list = []
         self._last_kl: float | None = None
         self._reset()
+
+    def _transform(self) -> str:
+        own, anchor = self.config.router_transform, self.anchor.router_transform if self.anchor else None
+        if own is not None and own not in ROUTER_TRANSFORMS:
+            raise ArgumentError(f"MonitorConfig.router_transform: one of {ROUTER_TRANSFORMS}, got {own!r}")
+        if own is not None and anchor is not None and own != anchor:
+            logger.warning("rpb monitor: KL read as %s, while the anchor's kl-to-base reads %s", own, anchor)
+        return own or anchor or family_transform(self.facts.score_function)
 
     def _frozen(self, layer) -> dict:
         """The base router's weight, its own bias and the expert-correction bias, copied whole (never trained)."""
@@ -120,14 +141,35 @@ class RoutingMonitor:
         if self.anchor is not None and self._tap in self.anchor.taps:
             self.anchor.taps.remove(self._tap)
 
+    @contextlib.contextmanager
+    def tokens(self, mask_BT: torch.Tensor):
+        """Observe only the tokens where ``mask_BT`` ([batch, tokens] bool, the forward's ``input_ids``
+        shape) is true, in every forward inside the block, labels or not: e.g. a GRPO step's completion
+        tokens, whose forward carries no labels. Outside the block the labels choose again."""
+        if mask_BT.dim() != 2:
+            raise ArgumentError(f"RoutingMonitor.tokens: a [batch, tokens] mask, got shape {tuple(mask_BT.shape)}")
+        self._given_BT = mask_BT.bool()
+        try:
+            yield self
+        finally:
+            self._given_BT = None
+
     def _read_mask(self, module, args, kwargs):
         labels, attention = kwargs.get("labels"), kwargs.get("attention_mask")
-        if labels is not None:
-            self._mask_T = (labels != -100).reshape(-1)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self._given_BT is not None:
+            if isinstance(ids, torch.Tensor) and tuple(ids.shape) != tuple(self._given_BT.shape):
+                raise ArgumentError(
+                    f"RoutingMonitor.tokens: the mask has shape {tuple(self._given_BT.shape)}, the forward's "
+                    f"input_ids {tuple(ids.shape)}"
+                )
+            self._mask_T, self._mask_source = self._given_BT.reshape(-1), "given"
+        elif labels is not None:
+            self._mask_T, self._mask_source = (labels != -100).reshape(-1), "labels"
         elif attention is not None and attention.dim() == 2:
-            self._mask_T = attention.bool().reshape(-1)
+            self._mask_T, self._mask_source = attention.bool().reshape(-1), "attention"
         else:
-            self._mask_T = None
+            self._mask_T, self._mask_source = None, None
 
     def _observer(self, pos: int):
         def hook(router, args, output):
@@ -151,6 +193,18 @@ class RoutingMonitor:
         logits_TE = logits_TE.reshape(-1, logits_TE.shape[-1])
         if ids_now_TK is not None:
             ids_now_TK = ids_now_TK.reshape(logits_TE.shape[0], -1)
+        if self._mask_source in ("attention", None) and not self._said_unlabelled:
+            self._said_unlabelled = True  # label smoothing, compute_loss_func and TRL's RL trainers drop labels
+            logger.warning(
+                "rpb monitor: a forward without labels: its figures count %s, prompts included; "
+                "RoutingMonitor.tokens(mask) narrows them (e.g. to completion tokens)",
+                "every attended token" if self._mask_source else "every token",
+            )
+        if self._mask_source == "given" and self._mask_T.numel() != h_TH.shape[0]:
+            raise ArgumentError(
+                f"RoutingMonitor.tokens: the mask holds {self._mask_T.numel()} tokens, router "
+                f"{layer.name} saw {h_TH.shape[0]}"
+            )
         if self._mask_T is not None and self._mask_T.numel() == h_TH.shape[0]:
             keep = self._mask_T.to(h_TH.device)
             h_TH, logits_TE = h_TH[keep], logits_TE[keep]
@@ -191,6 +245,7 @@ class RoutingMonitor:
             return {}
         per_layer = layer_figures(tokens[seen], overlap[seen], kl[seen], counts_LE[seen])
         indices = [m.layer_index for m, s in zip(self.layers, seen.tolist(), strict=True) if s]
+        self.last_layers = {name: dict(zip(indices, v.tolist(), strict=True)) for name, v in per_layer.items()}
         out = {}
         for name, values in per_layer.items():
             out[f"routing/mean/{name}"] = float(values.mean())
@@ -201,14 +256,20 @@ class RoutingMonitor:
         return out
 
     def alarms(self, figures: dict[str, float]) -> list[str]:
-        """The configured thresholds these figures cross, each as a sentence."""
+        """The configured thresholds these figures (the last ``flush()``'s) cross, each as a sentence naming
+        the decoder layer that crossed it furthest (and any other that crossed it)."""
         c, out = self.config, []
-        if c.min_overlap is not None and figures.get("routing/min/topk_overlap", 1.0) < c.min_overlap:
-            out.append(f"a layer's top-k overlap with the base fell to {figures['routing/min/topk_overlap']:.3f} "
-                       f"(alarm below {c.min_overlap})")  # fmt: skip
-        if c.max_dead_fraction is not None and figures.get("routing/max/dead_fraction", 0.0) > c.max_dead_fraction:
-            out.append(f"a layer left {figures['routing/max/dead_fraction']:.3f} of its experts unused "
-                       f"(alarm above {c.max_dead_fraction})")  # fmt: skip
+        if c.min_overlap is not None and figures.get("routing/min/topk_overlap", math.inf) < c.min_overlap:
+            where, also = self._layers_past("topk_overlap", lambda v: v < c.min_overlap, worst=min)
+            out.append(f"{where}'s top-k overlap with the base fell to {figures['routing/min/topk_overlap']:.3f} "
+                       f"(alarm below {c.min_overlap}{also})")  # fmt: skip
+        if (
+            c.max_dead_fraction is not None
+            and figures.get("routing/max/dead_fraction", -math.inf) > c.max_dead_fraction
+        ):
+            where, also = self._layers_past("dead_fraction", lambda v: v > c.max_dead_fraction, worst=max)
+            out.append(f"{where} left {figures['routing/max/dead_fraction']:.3f} of its experts unused "
+                       f"(alarm above {c.max_dead_fraction}{also})")  # fmt: skip
         kl = figures.get("routing/mean/kl")
         if (
             c.max_kl_jump is not None
@@ -217,11 +278,24 @@ class RoutingMonitor:
             and kl - self._last_kl > c.max_kl_jump
         ):
             out.append(
-                f"the mean KL from the base jumped {kl - self._last_kl:.4f} in one window (alarm above {c.max_kl_jump})"
+                f"the KL from the base, mean over the MoE layers, jumped {kl - self._last_kl:.4f} in one window "
+                f"(alarm above {c.max_kl_jump})"
             )
         if kl is not None:
             self._last_kl = kl
         return out
+
+    def _layers_past(self, figure: str, crossed, worst) -> tuple[str, str]:
+        """("layer i", "; layers j, k too"): the decoder layer whose ``figure`` is ``worst`` among those that
+        ``crossed`` the alarm in the last flush, and the others."""
+        values = self.last_layers.get(figure, {})
+        past = [i for i, v in values.items() if crossed(v)]
+        if not past:
+            return "a layer", ""
+        first = worst(past, key=values.__getitem__)
+        others = [str(i) for i in past if i != first]
+        also = f"; layer{'s' if len(others) > 1 else ''} {', '.join(others)} too" if others else ""
+        return f"layer {first}", also
 
 
 def _whole(t: torch.Tensor | None) -> torch.Tensor | None:

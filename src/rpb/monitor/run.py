@@ -14,7 +14,8 @@ from pathlib import Path
 
 from rpb.config import load_config
 from rpb.fileio import write_text_atomic
-from rpb.monitor.audit import AuditReport, asked_from_config, audit
+from rpb.monitor.asked import asked_from_config
+from rpb.monitor.audit import AuditReport, audit
 
 
 def run_audit(config: str, overrides: list[str] = (), rows: int = 4, out: str | None = None) -> AuditReport:

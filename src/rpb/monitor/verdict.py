@@ -22,9 +22,16 @@ class Asked:
     anchor: str | None = None
     #: whether the model's own load-balancing loss belongs in the loss (None: either; reported only)
     native_aux: bool | None = None
+    #: with ``router="free"``: the MoE layers (decoder-layer indices) whose router alone is meant frozen
+    frozen_layers: tuple[int, ...] = ()
 
-    def describe(self) -> str:
-        return self.router + (f", {self.anchor}" if self.anchor else "")
+    def frozen_at(self, layer: int) -> bool:
+        """Whether the router of this MoE layer is meant frozen."""
+        return self.router == "frozen" or layer in self.frozen_layers
+
+    def describe(self, layer: int | None = None) -> str:
+        router = self.router if layer is None else ("frozen" if self.frozen_at(layer) else "free")
+        return router + (f", {self.anchor}" if self.anchor else "")
 
 
 @dataclass
@@ -57,8 +64,9 @@ class AuditReport:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for a in self.layers:
-            lines.append(f"| {a.layer} | {self.asked.describe()} | {a.peft or '-'} | {f(a.grad)} | {f(a.moved)} | "
-                         f"{f(a.expert_bias)} | {f(a.anchor_grad)} | {f(a.aux_grad)} | {f(a.biased)} |")  # fmt: skip
+            lines.append(f"| {a.layer} | {self.asked.describe(a.layer)} | {a.peft or '-'} | {f(a.grad)} | "
+                         f"{f(a.moved)} | {f(a.expert_bias)} | {f(a.anchor_grad)} | {f(a.aux_grad)} | "
+                         f"{f(a.biased)} |")  # fmt: skip
         s = self.loss
         lines.append(f"\nstep-2 loss: LM {s['lm']:.5g}, anchor term {s['anchor']:+.3g}, "
                      f"native load-balancing loss {s['native_aux']:+.3g}")  # fmt: skip
@@ -76,26 +84,33 @@ def significant(difference: float, reference: float) -> bool:
     return abs(difference) > RELATIVE_TOL * max(abs(reference), 1e-30)
 
 
-def contradictions(report: AuditReport, anchor_installed: bool, lm_grads: list[float]) -> list[str]:
-    """Every way what happened disagrees with what was asked, one sentence each (layers grouped);
-    ``lm_grads``: each router's gradient norm from the LM loss alone, the scale its terms are read against."""
-    asked, rows, out = report.asked, report.layers, []
+def _where(rows: list[LayerAudit]):
+    """``where(pred)``: the layers among ``rows`` where ``pred`` holds, as a sentence names them ("" if none)."""
 
     def where(pred) -> str:
         hit = [str(a.layer) for a in rows if pred(a)]
         return f"MoE layer{'s' if len(hit) > 1 else ''} {', '.join(hit)}" if hit else ""
 
-    if asked.router == "frozen":
-        if w := where(lambda a: a.moved > 0):
-            out.append(f"router frozen asked, router changed ({w}: its effective logits moved up to "
-                       f"{max(a.moved for a in rows):.3g})")  # fmt: skip
-        if w := where(lambda a: a.expert_bias):
-            out.append(f"router frozen asked, its expert-correction bias changed ({w}): something updates it "
-                       "outside the optimizer's gradients (a hook or a callback)")  # fmt: skip
-        if w := where(lambda a: a.peft):
-            kinds = sorted({a.peft for a in rows if a.peft})
-            out.append(f"router frozen asked, but PEFT wraps the router ({w}: {', '.join(kinds)})")
-    elif w := where(lambda a: a.grad == 0 and a.moved == 0):
+    return where
+
+
+def contradictions(report: AuditReport, anchor_installed: bool, lm_grads: list[float]) -> list[str]:
+    """Every way what happened disagrees with what was asked, one sentence each (layers grouped);
+    ``lm_grads``: each router's gradient norm from the LM loss alone, the scale its terms are read against."""
+    asked, rows, out = report.asked, report.layers, []
+    frozen = [a for a in rows if asked.frozen_at(a.layer)]
+    where = _where(frozen)  # first the layers whose router is meant frozen
+    if w := where(lambda a: a.moved > 0):
+        out.append(f"router frozen asked, router changed ({w}: its effective logits moved up to "
+                   f"{max(a.moved for a in frozen):.3g})")  # fmt: skip
+    if w := where(lambda a: a.expert_bias):
+        out.append(f"router frozen asked, its expert-correction bias changed ({w}): something updates it "
+                   "outside the optimizer's gradients (a hook or a callback)")  # fmt: skip
+    if w := where(lambda a: a.peft):
+        kinds = sorted({a.peft for a in frozen if a.peft})
+        out.append(f"router frozen asked, but PEFT wraps the router ({w}: {', '.join(kinds)})")
+    where = _where(rows)
+    if w := where(lambda a: not asked.frozen_at(a.layer) and a.grad == 0 and a.moved == 0):
         out.append(f"router training asked, but no gradient reached the router ({w})")
     if asked.anchor is not None:
         method = get_method(asked.anchor)
@@ -106,9 +121,11 @@ def contradictions(report: AuditReport, anchor_installed: bool, lm_grads: list[f
                        "set (a trainer without rpb's AnchorTrainerMixin) or they sit on a module the forward does "
                        "not run (installed before PEFT wrapped the router?)")  # fmt: skip
         if method.loss is not None and anchor_installed:
-            router_side = asked.router == "free" and method.loss.from_forward
-            no_router_grad = router_side and not any(
-                significant(a.anchor_grad or 0.0, g) for a, g in zip(rows, lm_grads, strict=True)
+            free = [(a, g) for a, g in zip(rows, lm_grads, strict=True) if not asked.frozen_at(a.layer)]
+            no_router_grad = (
+                method.loss.from_forward
+                and bool(free)
+                and not any(significant(a.anchor_grad or 0.0, g) for a, g in free)
             )
             if method.name == "lbl" and (report.anchor_reaches is False or no_router_grad):
                 out.append("lbl asked, but no load-balancing gradient reached the router (its term is never added "

@@ -55,6 +55,12 @@ class BaseMismatchError(RpbError):
     """A shipped base whose weights do not hash to their pin."""
 
 
+#: the transform every cell reads its routers with (kl-to-base's distributions): softmax, the one the shipped
+#: grids were made with. Pinned in code, not in a recorded setting, so no shipped cell's identity changes; the
+#: bases are DeepSeek-V3-shaped, whose family default (normalised sigmoid) would otherwise apply without a prior
+ROUTER_TRANSFORM = "softmax"
+
+
 @dataclass(frozen=True)
 class PostRecipe:
     """Post-training and scoring of one cell (the same for every method, set and seed)."""
@@ -259,7 +265,7 @@ def train_cell(
         data_jsonl=str(data_jsonl),
         output_dir=str(out),
         prior=str(prior) if prior and get_method(method).needs_prior else None,
-        anchor=AnchorConfig(method=method, **(anchor or {})),
+        anchor=AnchorConfig(method=method, **({"router_transform": ROUTER_TRANSFORM} | (anchor or {}))),
         train=TrainSection(
             max_steps=post.max_steps, seed=seed, lr=post.lr, batch_size=post.batch_size,
             warmup_steps=post.warmup_steps, lr_scheduler=post.lr_scheduler, max_seq_len=post.max_seq_len,

@@ -7,15 +7,13 @@ a machine that has neither megatron-core nor Megatron-Bridge.
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from rpb.artifact import METADATA_KEY
+from rpb.artifact import SCHEMA, SCHEMA_VERSION, PriorArtifact, save_artifact
 from rpb.cli import main as rpb_main
 from rpb.config import ConfigError
 from rpb.data import file_sha256
@@ -72,9 +70,18 @@ def test_files_are_checked_against_the_prior(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     (data / "training.jsonl").write_text('{"input": "q", "output": "a"}\n')
-    meta = {"top_k": 6, "num_experts": 64, "max_seq_len": 8192, "data_sha256": file_sha256(data / "training.jsonl")}
+    meta = {
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "rpb_version": "0", "model": "m",
+        "model_type": "deepseek_v3", "model_config_sha256": "c" * 64, "routers_sha256": "r" * 64, "tokenizer": "t",
+        "chat_template_sha256": "h" * 64, "chat_template_kwargs": {}, "chat_template_date": None, "reasoning": {},
+        "router_transform": "sigmoid", "top_k": 6, "max_seq_len": 8192,
+        "routed_positions": "all-positions-of-truncated-sequence", "moe_layers": [1], "num_experts": 64,
+        "num_rows": 1, "data_sha256": file_sha256(data / "training.jsonl"), "spans": ["Q", "A"],
+    }  # fmt: skip
     prior = tmp_path / "prior.safetensors"
-    save_file({"prior_qa": torch.zeros(1, 2, 1, 64)}, str(prior), metadata={METADATA_KEY: json.dumps(meta)})
+    tensors = {"prior_qa": torch.full((1, 2, 1, 64), 1 / 64), "span_tokens": torch.ones(1, 2, dtype=torch.int64),
+               "row_sha256": torch.zeros(1, 32, dtype=torch.uint8)}  # fmt: skip
+    save_artifact(PriorArtifact(metadata=meta, **tensors), prior)
     paths = [f"model.pretrained_checkpoint={tmp_path / 'ckpt'}", f"data.root={data}", f"prior={prior}"]
     cfg = load_megatron_config(CONFIG, paths, check_files=True)
     assert any("idx.npy is missing" in n for n in cfg.notes)  # index files: built before launch

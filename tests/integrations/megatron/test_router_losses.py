@@ -40,8 +40,9 @@ LOSS_CONFIGS = {
     "kl-to-base": AnchorConfig(method="kl-to-base", lambda_=0.7),
     "logit-l2": AnchorConfig(method="logit-l2", lambda_=0.7),
 }
-#: a softmax router, and a sigmoid one whose kl-to-base reads the prior's sigmoid-normalized transform
-LOSS_CASES = {"softmax": None, "sigmoid-bias-groups": "sigmoid-normalized"}
+#: a softmax router, and a sigmoid one, kl-to-base with no transform set: each reads its family's own
+#: (softmax; the normalised sigmoid), as the HF path does without a prior
+LOSS_CASES = {"softmax": None, "sigmoid-bias-groups": None}
 
 
 def make_hidden(seed: int = 3, rows: int = B, positions: int = S) -> torch.Tensor:
@@ -98,7 +99,8 @@ def reference_router_term(method, case, transform, W_EH, b_E, W0_EH, b0_E, x_TH,
         return torch.softmax(v_TE, -1) if kind == "softmax" else torch.sigmoid(v_TE) / torch.sigmoid(v_TE).sum(-1, True)
 
     if method == "kl-to-base":
-        p_TE, pb_TE = dist(z_TE, transform or "softmax"), dist(zb_TE, transform or "softmax")
+        transform = transform or ("sigmoid-normalized" if case.score == "sigmoid" else "softmax")
+        p_TE, pb_TE = dist(z_TE, transform), dist(zb_TE, transform)
         return (pb_TE * (pb_TE.log() - p_TE.log())).sum(-1)[valid_T].sum() / n
     if method == "logit-l2":
         d_TE = (z_TE - z_TE.mean(-1, keepdim=True)) - (zb_TE - zb_TE.mean(-1, keepdim=True))

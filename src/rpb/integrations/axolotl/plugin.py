@@ -31,7 +31,7 @@ from axolotl.loaders.tokenizer import load_tokenizer
 from axolotl.utils.trainer import calculate_total_num_steps
 
 from rpb.anchors import AnchorHandle
-from rpb.artifact import load_artifact
+from rpb.artifact_checks import load_prior
 from rpb.data import AnchorCollator, LabelledData, load_labelled
 from rpb.data.arrow import as_dataset
 from rpb.data.reasoning import note_reasoning
@@ -83,7 +83,7 @@ class RpbPlugin(BasePlugin):
 
     def load_datasets(self, cfg, preprocess: bool = False) -> TrainDatasetMeta:
         run = self._run(cfg)
-        self.artifact = artifact = load_artifact(run.section.prior) if run.section.prior else None
+        self.artifact = artifact = load_prior(run.section.prior) if run.section.prior else None
         meta = artifact.metadata if artifact is not None else {}
         self.max_seq_len = meta.get("max_seq_len") or cfg.sequence_len
         if cfg.sequence_len and cfg.sequence_len != self.max_seq_len:

@@ -324,6 +324,7 @@ class PreparedData:
 
     def install(self, model, first_step: bool):
         from rpb.anchors.methods import get_method
+        from rpb.anchors.transform import run_transform
         from rpb.integrations.megatron.install import find_topk_routers, install_megatron_anchor
         from rpb.integrations.megatron.layout import ROUTED_ALL_POSITIONS
         from rpb.integrations.megatron.verify import megatron_run_facts, verify_megatron_prior
@@ -368,10 +369,10 @@ class PreparedData:
                 E, L = self.artifact.prior_qa.shape[-1], self.artifact.prior_qa.shape[2]
                 sigma_LE = layer_permutations(None, E, cfg.anchor.shuffle_seed, "global", L)
         prior = self.artifact.prior_qa if self.artifact is not None else None
-        anchor = cfg.anchor
-        if anchor.router_transform is None and meta is not None:
-            # kl-to-base compares distributions under the prior's transform, as rpb train does
-            anchor = dataclasses.replace(anchor, router_transform=meta["router_transform"])
+        # kl-to-base compares distributions under the run's transform, resolved as rpb train does
+        score_function = next((r.module.score_function for r in find_topk_routers(model)), "softmax")
+        transform = run_transform(cfg.anchor.router_transform, (meta or {}).get("router_transform"), score_function)
+        anchor = dataclasses.replace(cfg.anchor, router_transform=transform)
         handle = install_megatron_anchor(model, anchor, prior=prior, sigma_LE=sigma_LE)
         for note in handle.notes:
             logger.warning("rpb: %s", note)
@@ -380,11 +381,11 @@ class PreparedData:
 
 def prepare_data(cfg) -> PreparedData:
     """Tokenize and label the data file exactly as the collector did (every bad row reported before launch)."""
-    from rpb.artifact import load_artifact
+    from rpb.artifact_checks import load_prior
     from rpb.data import load_labelled
     from rpb.models import load_tokenizer
 
-    artifact = load_artifact(cfg.prior) if cfg.prior else None
+    artifact = load_prior(cfg.prior) if cfg.prior else None
     max_seq_len = artifact.metadata["max_seq_len"] if artifact is not None else cfg.train.seq_length
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.hf_id, cfg.model.trust_remote_code)
     # rendered as the prior was: its template keyword arguments, and the day a clock-reading template saw

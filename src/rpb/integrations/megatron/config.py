@@ -295,8 +295,10 @@ def validate_megatron_config(cfg: MegatronRunConfig) -> list[str]:
 
 
 def file_problems(cfg: MegatronRunConfig) -> list[str]:
-    """The files the run reads, and the prior's metadata against the run (before any GPU is touched)."""
-    from rpb.artifact import ArtifactError, read_metadata
+    """The files the run reads, the prior as ``rpb validate`` checks the file (values, tensor hash), and its
+    metadata against the run (before any GPU is touched)."""
+    from rpb.artifact import ArtifactError
+    from rpb.artifact_checks import load_prior
     from rpb.data import file_sha256
 
     out = []
@@ -306,7 +308,7 @@ def file_problems(cfg: MegatronRunConfig) -> list[str]:
         out.append(f"data: {cfg.data_file} does not exist")
     if cfg.prior:
         try:
-            meta = read_metadata(cfg.prior)
+            meta = load_prior(cfg.prior).metadata
         except (ArtifactError, OSError) as e:
             return [*out, f"prior: {e}"]
         for name, want in (("top_k", cfg.moe.topk), ("num_experts", cfg.moe.num_experts)):

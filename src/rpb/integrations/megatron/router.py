@@ -84,6 +84,7 @@ from rpb.anchors.config import AnchorConfig
 from rpb.anchors.context import TokenContext
 from rpb.anchors.methods import Method, RouterState
 from rpb.anchors.prior_routing import PriorRouting
+from rpb.anchors.transform import family_transform
 from rpb.errors import RpbError
 from rpb.integrations.megatron.figures import RoutingFigures
 from rpb.integrations.megatron.layout import router_rows
@@ -279,7 +280,8 @@ class MegatronAnchorHandle(RoutingFigures):
 
     def _state(self, r: MegatronRouter) -> RouterState:
         """Router ``r`` as a loss term sees it; the weight pairs only where the term reads them."""
-        state = RouterState(r.module.score_function, r.module.topk, self.config.router_transform or "softmax")
+        transform = self.config.router_transform or family_transform(r.module.score_function)
+        state = RouterState(r.module.score_function, r.module.topk, transform)
         if "weights" in self.method.loss.reads:
             w = r.module.weight
             base_weight_EH, base_bias_E = r.base_on(w.device)
