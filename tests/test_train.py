@@ -15,6 +15,7 @@ from rpb.config import ConfigError, load_config
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import ARCHITECTURES
 from rpb.train import deterministic_algorithms, run_training
+from tests.conftest import qa, write_rows
 
 ARCHS = ("moonlight", "qwen3_moe", "mixtral")
 
@@ -247,3 +248,25 @@ def test_routing_figures_reach_tensorboard(setup, tmp_path):
                  "moe/mean/anchor_loss"):  # fmt: skip
         tag = next(t for t in tags if t.endswith(name))
         assert [e.value for e in acc.Scalars(tag)] == pytest.approx([r[name] for r in logged], abs=1e-5)
+
+
+def test_rows_cut_by_max_seq_len_are_counted_in_the_log_and_in_rpb_run_json(save_tiny, tmp_path, caplog):
+    """Rows built longer than train.max_seq_len (their rendered tokens counted through the tokenizer's own
+    template): the run says how many it cut, and rpb_run.json records it."""
+    from rpb.models import load_tokenizer
+
+    model = save_tiny("moonlight")
+    short = [qa("What is 1 + 1?", "2"), qa("Name a colour.", "Blue."), qa("Hi", "Hello")]
+    long = [qa("Say it often.", "again and again " * 40), qa("Count.", " ".join(str(i) for i in range(80)))]
+    tok = load_tokenizer(str(model))
+    tokens = [len(tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)["input_ids"])
+              for r in (*short, *long)]  # fmt: skip
+    assert max(tokens[:3]) < 128 < min(tokens[3:])
+    data = write_rows(tmp_path / "rows.jsonl", [short[0], long[0], short[1], long[1], short[2]])
+    cfg = load_config(None, [f"model={model}", f"data_jsonl={data}", f"output_dir={tmp_path / 'run'}",
+                             "anchor.method=sft", "train.max_seq_len=128", "train.max_steps=1", "train.batch_size=5",
+                             "train.calibrate_rows=0"])  # fmt: skip
+    with caplog.at_level("WARNING"):
+        out = run_training(cfg, progress=False)
+    assert json.loads((out / "rpb_run.json").read_text())["truncated_rows"] == 2
+    assert "2 of 5 row(s) are longer than max_seq_len=128 tokens" in caplog.text

@@ -194,12 +194,14 @@ def _experiment(args) -> int:
 
 
 def _train(args) -> int:
+    if args.dry_run:
+        from rpb.dryrun import dry_run
+
+        print(dry_run(args.config, args.overrides).summary())
+        return 0
     from rpb.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    if args.dry_run:
-        print(f"{args.config or 'command line'}: configuration OK (anchor.method={cfg.anchor.method})")
-        return 0
     from rpb.train import run_training
 
     out = run_training(cfg, progress=not args.no_progress)
@@ -316,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = add("train", help="post-train with an anchor (rpb, lbl, router-l2, kl-to-base, ...)")
     t.add_argument("--config", help="YAML run configuration")
     t.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides, e.g. anchor.beta=0.5")
-    t.add_argument("--dry-run", action="store_true", help="validate the configuration and stop")
+    t.add_argument("--dry-run", action="store_true",
+                   help="check the configuration, the prior, every row and the prior against the run without loading "
+                   "the model; list every problem and stop")  # fmt: skip
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=_train)
 

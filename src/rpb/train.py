@@ -28,6 +28,7 @@ from rpb.artifact_checks import load_prior
 from rpb.checkpoints import CompleteMarker, resolve_resume, run_record, trim_log
 from rpb.config import RunConfig
 from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, LabelledData, file_sha256, load_labelled
+from rpb.data.dataset import note_truncated
 from rpb.data.reasoning import note_reasoning
 from rpb.errors import ArgumentError
 from rpb.experts.masks import ExpertMask
@@ -113,7 +114,7 @@ def attach_anchor(
 
     info: dict = {"method": method.name, "rows": data.num_rows, "max_seq_len": max_seq_len, "data_sha256": data.sha256,
                   "router_transform": anchor_cfg.router_transform, **data.template_settings,
-                  "reasoning": data.reasoning}  # fmt: skip
+                  "reasoning": data.reasoning, "truncated_rows": data.truncated_rows}  # fmt: skip
     sigma_LE = None
     if method.shuffle is not None:
         labels_LE = None
@@ -157,6 +158,7 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
         cfg.data_jsonl, tokenizer, max_seq_len, cfg.data.chat_template_kwargs, meta.get("chat_template_date")
     )
     note_reasoning(data.reasoning, data.template_settings)
+    note_truncated(data.truncated_rows, data.num_rows, max_seq_len)
     model = load_causal_lm(cfg.model, cfg.train.dtype, cfg.train.experts_implementation)
     if cfg.train.experts_implementation == SORTED_EXPERTS and not (
         cfg.data.packing or cfg.train.gradient_checkpointing

@@ -128,3 +128,60 @@ def test_a_file_labelled_once_is_not_labelled_again_unless_what_decides_its_labe
         data = changed()
         assert len(calls) > before and data.examples
     assert len(dataset._LABELLED) == dataset._LABELLED_KEEP
+
+
+def test_an_empty_message_is_named_as_empty_not_as_a_span_cut_by_max_seq_len(tmp_path, moon_tok):
+    from rpb.data import ChatTemplate
+
+    prefix, rest = ChatTemplate(moon_tok).render_reference(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]
+    )
+    two_empty = [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""},
+                 {"role": "user", "content": "r"}, {"role": "assistant", "content": ""}]  # fmt: skip
+    rows = [
+        GOOD,
+        qa("What is 1 + 1?", ""),
+        qa("", "2"),
+        {"input": prefix, "output": rest},
+        {"messages": two_empty},
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "", "reasoning_content": "r"},
+            ]
+        },
+    ]
+    path = write_rows(tmp_path / "empty.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        load_labelled(path, moon_tok, MAX_LEN)
+    got = [(e.line, e.kind, e.field) for e in err.value.errors]
+    assert got == [(2, "empty-a-span", "messages[1].content"), (3, "empty-q-span", "messages[0].content"),
+                   (4, "empty-a-span", "output"), (5, "empty-a-span", "messages[1].content"),
+                   (6, "empty-a-span", "messages[1].content")]  # fmt: skip
+    said = [e.message for e in err.value.errors]
+    assert said[0].startswith("message 1 (assistant) is empty") and said[1].startswith("message 0 (user) is empty")
+    assert said[2].startswith("'output' holds an empty assistant body")
+    assert "message 1 (assistant) is empty; message 3 (assistant) is empty" in said[3]
+    assert "empty answer, and the chat template does not render its reasoning" in said[4]  # moonlight's drops it
+    assert not any("max_seq_len" in s for s in said)  # nothing here is about truncation
+    assert f"{path}:2: empty-a-span [messages[1].content]: message 1 (assistant) is empty" in str(err.value)
+
+
+def _token_count(tok, row: dict) -> int:
+    """The rendered row's tokens, counted from the tokenizer's own chat template and tokenizer."""
+    text = tok.apply_chat_template(row["messages"], tokenize=False)
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_rows_longer_than_max_seq_len_are_counted(tmp_path, moon_tok):
+    boundary = qa("How many legs has a spider?", "A spider has eight legs, " * 3)
+    length = _token_count(moon_tok, boundary)
+    short = [qa("What is 1 + 1?", "2"), qa("Name a colour.", "Blue."), qa("Hi", "Hello")]
+    long = [qa("Say it often.", "again and again " * 40), qa("Count.", " ".join(str(i) for i in range(80)))]
+    assert max(_token_count(moon_tok, r) for r in short) < length - 1
+    assert min(_token_count(moon_tok, r) for r in long) > length
+    path = write_rows(tmp_path / "long.jsonl", [short[0], long[0], boundary, short[1], long[1], short[2]])
+    exact = load_labelled(path, moon_tok, length)  # the boundary row fits exactly: 2 cut
+    assert exact.truncated_rows == 2 and [len(e) for e in exact.examples][1:3] == [length, length]
+    assert load_labelled(path, moon_tok, length - 1).truncated_rows == 3  # one token shorter: it is cut too
+    assert load_labelled(path, moon_tok, 4096).truncated_rows == 0

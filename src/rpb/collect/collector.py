@@ -29,7 +29,7 @@ from rpb.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION, PriorArti
 from rpb.collect.dist import ranks
 from rpb.collect.rows import KEEP_TOKENS, label_range, scan_rows
 from rpb.collect.store import WorkDir
-from rpb.data import ChatTemplate, Example, collate
+from rpb.data import ChatTemplate, Example, collate, note_truncated
 from rpb.data.reasoning import note_reasoning
 from rpb.errors import ArgumentError
 from rpb.models import DTYPES, config_sha256, load_base_model, load_tokenizer, pad_id_of, resolve_device
@@ -187,6 +187,7 @@ def collect(
     rows = scan_rows(data_jsonl, template, max_seq_len, KEEP_TOKENS)  # raises DataError before any compute
     reasoning = template.reasoning.as_dict()  # the scan's count (chunks label their rows again)
     note_reasoning(reasoning, template.settings)
+    note_truncated(template.truncated_rows, rows.num_rows, max_seq_len)  # the scan's count, as reasoning's
     run = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
@@ -196,6 +197,7 @@ def collect(
         "chat_template_sha256": template.sha256,
         **template.settings,
         "reasoning": reasoning,
+        "truncated_rows": template.truncated_rows,
         "router_transform": router_transform,
         "top_k": int(top_k),
         "max_seq_len": int(max_seq_len),

@@ -10,7 +10,7 @@ skipped, filtered or reordered: every problem is collected and reported together
 """
 
 from rpb.data.batches import IGNORE_INDEX, LOSS_ON, AnchorCollator, ExampleDataset, LossOn, answer_mask, labels_for
-from rpb.data.dataset import Example, LabelledData, collate, load_labelled
+from rpb.data.dataset import Example, LabelledData, collate, load_labelled, note_truncated
 from rpb.data.errors import DataError, RowError
 from rpb.data.jsonl import file_sha256, read_jsonl
 from rpb.data.template import ChatTemplate
@@ -31,5 +31,6 @@ __all__ = [
     "file_sha256",
     "labels_for",
     "load_labelled",
+    "note_truncated",
     "read_jsonl",
 ]

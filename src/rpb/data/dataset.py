@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -16,11 +17,14 @@ from pathlib import Path
 import torch
 
 from rpb.data.errors import DataError, RowError, RowProblem
-from rpb.data.jsonl import file_sha256, read_jsonl
+from rpb.data.jsonl import A_ROLES, Q_ROLES, ReferenceRow, file_sha256, read_jsonl
+from rpb.data.reasoning import merge_channels, split_turn
 from rpb.data.template import ChatTemplate
 from rpb.data.tokens import tokenize_labelled
 from rpb.errors import ArgumentError
 from rpb.prior import SPAN_A, SPAN_Q, STRUCTURAL
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class LabelledData:
     template_settings: dict = field(default_factory=dict)
     #: assistant turns carrying a reasoning, and those the template did not render (``ReasoningCount``)
     reasoning: dict = field(default_factory=dict)
+    #: rows whose rendered tokens exceed max_seq_len, cut on the right (``label_row``)
+    truncated_rows: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -65,13 +71,61 @@ class LabelledData:
 
 
 def label_row(template: ChatTemplate, row, max_seq_len: int) -> tuple[list[int], list[int]]:
+    """``(ids, span_ids)`` of ``row``, right-truncated to ``max_seq_len``; a row cut by it adds one to
+    ``template.truncated_rows``. A row whose Q or A span has no token left raises RowProblem saying why."""
     text, ranges = template.locate(row)
-    ids, spans = tokenize_labelled(template.tokenizer, text, ranges, max_seq_len)
-    for span, name, kind in ((SPAN_Q, "Q (user content)", "empty-q-span"), (SPAN_A, "A (assistant)", "empty-a-span")):
-        if span not in spans:
-            why = "after truncation to" if any(r[2] == span and r[1] > r[0] for r in ranges) else "within"
-            raise RowProblem(kind, f"the {name} span has no tokens {why} max_seq_len={max_seq_len}")
-    return ids, spans
+    ids, spans = tokenize_labelled(template.tokenizer, text, ranges)
+    for span in (SPAN_Q, SPAN_A):
+        if span not in spans[:max_seq_len]:
+            raise _no_tokens(row, ranges, span, max_seq_len)
+    template.truncated_rows += len(ids) > max_seq_len
+    return ids[:max_seq_len], spans[:max_seq_len]
+
+
+def _no_tokens(row, ranges, span: int, max_seq_len: int) -> RowProblem:
+    """Why a row's Q or A span has no token: empty messages, or text that truncation cut off."""
+    name, kind, roles = {
+        SPAN_Q: ("Q (user content)", "empty-q-span", Q_ROLES), SPAN_A: ("A (assistant)", "empty-a-span", A_ROLES)
+    }[span]  # fmt: skip
+    if any(s == span and b > a for a, b, s in ranges):
+        return RowProblem(kind, f"the {name} span has no tokens after truncation to max_seq_len={max_seq_len}")
+    if isinstance(row, ReferenceRow):
+        key, what = ("input", "user turn") if span == SPAN_Q else ("output", "assistant body")
+        return RowProblem(kind, f"{key!r} holds an empty {what}: the {name} span has no text to label", key)
+    empty = _empty_messages(row.messages, roles)
+    if not empty:  # a rendering that left no text of non-empty messages (not seen in practice)
+        return RowProblem(kind, f"the {name} span has no tokens within max_seq_len={max_seq_len}")
+    role = row.messages[empty[0][0]]["role"]
+    said = "; ".join(f"message {i} ({role}) {why}" for i, why in empty)
+    return RowProblem(kind, f"{said}: the {name} span has no text to label", f"messages[{empty[0][0]}].content")
+
+
+def _empty_messages(messages, roles) -> list[tuple[int, str]]:
+    """(index, why) of each message of ``roles`` that renders no content: empty or whitespace only, or an
+    assistant answer that is, beside a reasoning the template leaves out (a span with text comes here only so)."""
+    merged, origin = merge_channels(list(messages))
+    out = []
+    for m, i in zip(merged, origin, strict=True):
+        if m["role"] not in roles:
+            continue
+        turn = split_turn(m, i) if m["role"] in A_ROLES else None
+        answer = turn.answer if turn is not None else m["content"]
+        if answer.strip():
+            continue
+        why = "is empty" if answer == "" else "holds only whitespace"
+        if turn is not None and turn.reasoning is not None and turn.reasoning.strip():
+            why = f"has an empty answer, and the chat template does not render its reasoning ({turn.shape})"
+        out.append((i, why))
+    return out
+
+
+def note_truncated(truncated: int, rows: int, max_seq_len: int) -> None:
+    """Say (log warning) how many rows ``max_seq_len`` cut: their tokens past it are neither routed nor trained."""
+    if truncated:
+        logger.warning(
+            "rpb: %d of %d row(s) are longer than max_seq_len=%d tokens and were cut on the right (their tokens "
+            "past it are neither routed nor trained); recorded as truncated_rows", truncated, rows, max_seq_len,
+        )  # fmt: skip
 
 
 #: the last files labelled in this process, by everything their labels depend on (the file's bytes, the
@@ -135,7 +189,9 @@ def _label_file(path: Path, template: ChatTemplate, max_seq_len: int) -> Labelle
         errors.append(RowError(1, "empty-file", "the data file has no rows"))
     if errors:
         raise DataError(str(path), sorted(errors, key=lambda e: e.line))
-    return LabelledData(str(path), file_sha256(path), examples, template.settings, template.reasoning.as_dict())
+    return LabelledData(
+        str(path), file_sha256(path), examples, template.settings, template.reasoning.as_dict(), template.truncated_rows
+    )
 
 
 def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:

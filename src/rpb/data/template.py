@@ -132,6 +132,9 @@ class ChatTemplate:
         self.reads_clock = "strftime_now" in self._source
         self.date = (date or datetime.date.today().isoformat()) if self.reads_clock else None
         self.reasoning = ReasoningCount()
+        #: rows ``rpb.data.dataset.label_row`` cut to max_seq_len, counted (like ``reasoning``) by every
+        #: labelling through this template: a caller reads it after one pass over its rows
+        self.truncated_rows = 0
 
     @property
     def _source(self) -> str:

@@ -1,0 +1,160 @@
+"""``rpb train --dry-run``: everything a real run would refuse that can be found without the model.
+
+A real run stops at the first stage that fails (configuration, prior, rows, prior against the run);
+the dry run goes through every stage it can and lists every problem at once: the configuration, the
+tokenizer, the prior's file (metadata, values, tensor hash: ``rpb validate``) and data (sha256, rows),
+every row rendered and labelled as the run labels it, the prior's settings against the run's (chat
+template, its keyword arguments, max_seq_len: ``rpb.anchors.verify_prior``), and the expert configs the
+run reads. The model is not loaded, so what only its weights tell (the routers' fingerprint, top-k, MoE
+layers, experts) is left unchecked, and the report says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rpb.config import RunConfig, build_section, read_tree, validate
+from rpb.errors import RpbError
+
+#: what only the model's weights tell, left to the real run (or ``rpb validate --expected-model``)
+UNCHECKED = (
+    "not checked without the model's weights: the prior's routers fingerprint (routers_sha256), top-k, MoE "
+    "layers and experts against the model (`rpb validate PRIOR --expected-model MODEL` checks them from the "
+    "checkpoint's files)"
+)
+
+
+#: ``verify_prior``'s fields that the model's weights decide
+MODEL_FIELDS = ("model", "routers_sha256", "top_k", "moe_layers", "num_experts")
+
+
+class DryRunError(RpbError):
+    """Everything a real ``rpb train`` of this configuration would refuse, listed at once."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.problems = problems
+        lines = [f"{source}: {len(problems)} problem(s) a real run would refuse:", *(f"  - {p}" for p in problems)]
+        super().__init__("\n".join([*lines, UNCHECKED]))
+
+
+@dataclass
+class DryRun:
+    """What the dry run found: ``problems`` (empty: a real run would start) and what it checked."""
+
+    source: str
+    cfg: RunConfig
+    problems: list[str] = field(default_factory=list)
+    rows: int | None = None
+    truncated_rows: int | None = None
+    max_seq_len: int | None = None
+
+    def summary(self) -> str:
+        lines = [f"{self.source}: configuration OK (anchor.method={self.cfg.anchor.method})"]
+        if self.rows is not None:
+            lines.append(f"  {self.rows} row(s) labelled, {self.truncated_rows} cut to max_seq_len={self.max_seq_len}")
+        if self.cfg.prior:
+            lines.append(f"  prior {self.cfg.prior}: file, values and data OK; chat template and settings match")
+        return "\n".join([*lines, UNCHECKED])
+
+
+def dry_run(path: str | Path | None, overrides: list[str] = ()) -> DryRun:
+    """Check ``path`` (YAML) with ``overrides`` as ``rpb train`` would, without the model; raises
+    ``DryRunError`` listing every problem, else returns what was checked."""
+    problems: list[str] = []
+    tree = read_tree(path, list(overrides), problems)  # an unreadable file raises: nothing else to check
+    cfg = build_section(RunConfig, tree, problems)
+    problems += validate(cfg)
+    report = DryRun(str(path) if path else "command line", cfg, problems)
+    tokenizer = _tokenizer(cfg, problems)
+    meta = _prior(cfg, problems)
+    max_seq_len = cfg.train.max_seq_len or (meta or {}).get("max_seq_len")
+    if not (isinstance(max_seq_len, int) and max_seq_len >= 2):
+        max_seq_len = None  # named already: train.max_seq_len, or the prior's metadata
+    if tokenizer is not None and max_seq_len is not None and Path(cfg.data_jsonl).is_file():
+        data = _rows(cfg, tokenizer, max_seq_len, (meta or {}).get("chat_template_date"), problems)
+        if data is not None:
+            report.rows, report.truncated_rows, report.max_seq_len = data.num_rows, data.truncated_rows, max_seq_len
+    if tokenizer is not None and meta is not None:
+        _settings(cfg, tokenizer, meta, max_seq_len, problems)
+    for where, choice in (("train.only_experts", cfg.train.only_experts), ("lora.experts", cfg.lora.experts_from)):
+        if choice:
+            from rpb.experts import read_choice
+
+            try:
+                read_choice(choice)
+            except RpbError as e:
+                problems.append(f"{where}: {e}")
+    if problems:
+        raise DryRunError(report.source, problems)
+    return report
+
+
+def _tokenizer(cfg: RunConfig, problems: list[str]):
+    from rpb.models import load_tokenizer
+
+    name = cfg.tokenizer or cfg.model
+    if not name:
+        return None  # "model: required" is among the problems already
+    try:
+        return load_tokenizer(name, cfg.trust_remote_code)
+    except RpbError as e:
+        problems.append(f"tokenizer: {e}")
+        return None
+
+
+def _prior(cfg: RunConfig, problems: list[str]) -> dict | None:
+    """The prior's problems (``rpb validate``'s checks of the file and the data) and its metadata, read even
+    where its values are refused (a real run stops there; the dry run goes on to the rows and settings)."""
+    if not cfg.prior or not Path(cfg.prior).is_file():
+        return None  # a missing prior is among the configuration's problems
+    from rpb.artifact import ArtifactError, load_artifact
+    from rpb.validate import validate_artifact
+
+    data = cfg.data_jsonl if cfg.data_jsonl and Path(cfg.data_jsonl).is_file() else None
+    problems += [f"prior: {p}" for p in validate_artifact(cfg.prior, data_jsonl=data).problems]
+    try:
+        meta = load_artifact(cfg.prior).metadata
+    except (ArtifactError, OSError):
+        return None  # validate named why
+    return meta if isinstance(meta, dict) else None
+
+
+def _rows(cfg: RunConfig, tokenizer, max_seq_len: int, date: str | None, problems: list[str]):
+    """Every row rendered and labelled as the run labels it; each bad row as the run reports it."""
+    from rpb.data import DataError, load_labelled
+
+    try:
+        return load_labelled(cfg.data_jsonl, tokenizer, max_seq_len, cfg.data.chat_template_kwargs, date)
+    except DataError as e:
+        problems += [f"data_jsonl: {row.format(e.path)}" for row in e.errors]
+    except RpbError as e:  # a template that cannot locate content at all
+        problems.append(f"data_jsonl: {e}")
+    return None
+
+
+def _settings(cfg: RunConfig, tokenizer, meta: dict, max_seq_len, problems: list[str]) -> None:
+    """The prior against the run as ``verify_prior`` judges it, but for the model's fields (unchecked) and the
+    data's (``rpb validate`` judged them, with more detail)."""
+    from rpb.anchors import PriorMismatchError, RunFacts, verify_prior
+    from rpb.data import ChatTemplate
+
+    try:
+        template_sha256 = ChatTemplate(tokenizer).sha256
+    except RpbError as e:
+        problems.append(f"tokenizer: {e}")
+        return
+    run = RunFacts(
+        data_sha256=meta.get("data_sha256"), num_rows=meta.get("num_rows"), model=cfg.model, routers_sha256="",
+        tokenizer=cfg.tokenizer or cfg.model, chat_template_sha256=template_sha256,
+        chat_template_kwargs=cfg.data.chat_template_kwargs, top_k=0, max_seq_len=max_seq_len, moe_layers=[],
+        num_experts=0,
+    )  # fmt: skip
+    try:
+        verify_prior(meta, run, cfg.prior)
+    except PriorMismatchError as e:
+        problems += [
+            f"prior: {name}: the prior has {old!r}, this run has {new!r}"
+            for name, old, new in e.mismatches
+            if name not in MODEL_FIELDS
+        ]
