@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from rpb import artifact as artifact_module
 from rpb.cli import main
@@ -227,3 +227,26 @@ def test_named_errors_exit_2_with_their_message_and_bugs_exit_1_with_a_traceback
     assert main(collect_args(save_tiny("moonlight"), data, tmp_path / "p.safetensors")) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError: 'a bug'" in err and "in broken" in err
+
+
+def test_collect_counts_the_rows_cut_by_max_seq_len_in_the_log_and_the_prior(save_tiny, tmp_path, caplog, monkeypatch):
+    """Rows built longer than --max-seq-len (their tokens counted through the tokenizer's own template); the
+    chunks label their rows again (nothing kept from the scan here), and the count stays the rows'."""
+    from rpb.collect import collector
+
+    monkeypatch.setattr(collector, "KEEP_TOKENS", 0)
+    model = save_tiny("moonlight")
+    short = [qa("What is 1 + 1?", "2"), qa("Name a colour.", "Blue."), qa("Hi", "Hello")]
+    long = [qa("Say it often.", "again and again " * 40), qa("Count.", " ".join(str(i) for i in range(80)))]
+    tok = AutoTokenizer.from_pretrained(model)
+    tokens = [len(tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)["input_ids"])
+              for r in (*short, *long)]  # fmt: skip
+    assert max(tokens[:3]) < 128 < min(tokens[3:])
+    data = write_rows(tmp_path / "rows.jsonl", [long[0], short[0], short[1], long[1], short[2]])
+    out = tmp_path / "prior.safetensors"
+    args = collect_args(model, data, out, "--no-progress", "--chunk-rows", "2")
+    args[args.index("--max-seq-len") + 1] = "128"
+    with caplog.at_level("WARNING"):
+        assert main(args) == 0
+    assert artifact_module.read_metadata(out).get("truncated_rows") == 2
+    assert "2 of 5 row(s) are longer than max_seq_len=128 tokens" in caplog.text

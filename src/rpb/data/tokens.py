@@ -89,8 +89,10 @@ def _offsets_from_decoding(tokenizer, text: str, ids: list[int], ranges: list[Ch
     return labels_from
 
 
-def tokenize_labelled(tokenizer, text: str, ranges: list[CharRange]) -> tuple[list[int], list[int]]:
-    """``(ids, span_ids)`` of the whole tokenization of ``text`` (the caller truncates)."""
+def tokenize_labelled(
+    tokenizer, text: str, ranges: list[CharRange], max_len: int | None = None
+) -> tuple[list[int], list[int]]:
+    """``(ids, span_ids)`` of the tokenization of ``text``, right-truncated to ``max_len`` (None: whole)."""
     if getattr(tokenizer, "is_fast", False):
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
@@ -105,7 +107,7 @@ def tokenize_labelled(tokenizer, text: str, ranges: list[CharRange]) -> tuple[li
             for lo, hi, span in _offsets_from_decoding(tokenizer, text, ids, ranges):
                 for t in range(lo, hi):
                     labels[t] = span
-    return ids, labels
+    return ids[:max_len], labels[:max_len]
 
 
 def as_tensors(ids: list[int], labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
