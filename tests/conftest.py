@@ -87,25 +87,17 @@ def save_tiny(tmp_path_factory, moon_tok):
     return make
 
 
-#: transformers loads these model types' tokenizer with its own class (Qwen3.5's byte-level BPE), whatever the
-#: folder says: their replicas get a byte-level BPE tokenizer, which that class reads as it is
-BYTE_LEVEL_TOKENIZER = {"qwen3_5_moe"}
-
-
 @pytest.fixture(scope="session")
-def replica(tmp_path_factory, moon_tok, chatml_tok):
-    """replica(name) -> a saved tiny replica of a real checkpoint (tests/real_configs.py), built once per test run."""
-    from tests.real_configs import build_replica
+def replica(tmp_path_factory):
+    """replica(name) -> a saved tiny replica of a shipped checkpoint with its vendor's chat template
+    (``rpb.testing.replica``), built once per test run."""
+    from rpb.testing import replica as build
 
     cache = {}
 
     def make(name):
         if name not in cache:
-            out = tmp_path_factory.mktemp(f"replica-{name}")
-            tok = chatml_tok if name in BYTE_LEVEL_TOKENIZER else moon_tok
-            build_replica(name, vocab_size=len(tok)).save_pretrained(out)
-            tok.save_pretrained(out)
-            cache[name] = out
+            cache[name] = build(name, tmp_path_factory.mktemp(f"replica-{name}"))
         return cache[name]
 
     return make

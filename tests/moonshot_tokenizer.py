@@ -11,7 +11,7 @@ import shutil
 from functools import cache
 from pathlib import Path
 
-from tests.vendor_templates import template_text
+from rpb.testing.vendors import template_text
 
 STANDIN = Path(__file__).parent / "fixtures" / "moonshot" / "tokenization_moonshot.py"
 #: offset after the ranks -> token, as Moonlight-16B-A3B-Instruct and Kimi-K2 place them (163584 + offset)
@@ -44,7 +44,7 @@ def standin_pattern() -> str:
 
 
 def moonshot_tokenizer_dir(path: Path, chat_template: str | None = None) -> Path:
-    """Write the directory; its chat template defaults to Kimi-K2's as shipped (tests/fixtures/templates)."""
+    """Write the directory; its chat template defaults to Kimi-K2's as shipped (rpb/testing/templates)."""
     path.mkdir(parents=True, exist_ok=True)
     table = ranks()
     by_rank = sorted(table.items(), key=lambda kv: kv[1])

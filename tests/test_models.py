@@ -113,9 +113,8 @@ def test_what_the_native_class_would_run_otherwise_is_refused_before_any_weight(
 
 
 def test_the_published_routing_values_are_the_implemented_ones():
-    """Every vendored checkpoint's config as it ships (tests/fixtures/configs) passes."""
+    """Every vendored checkpoint's config as it ships (rpb/testing/configs) passes."""
     import json
-    from pathlib import Path
 
     from transformers import AutoConfig
 
@@ -124,11 +123,10 @@ def test_the_published_routing_values_are_the_implemented_ones():
     from rpb.adapters.hf import unimplemented_routing
 
     register_model_aliases()
-    fixtures = Path(__file__).parent / "fixtures" / "configs"
-    from tests.real_configs import REPLICAS
+    from rpb.testing.replicas import CONFIGS, REPLICAS
 
     for name in REPLICAS:
-        published = json.loads((fixtures / f"{name}.json").read_text())
+        published = json.loads((CONFIGS / f"{name}.json").read_text())
         published = {k: v for k, v in published.items() if k != "model_type"} | {"_type": published["model_type"]}
         config = AutoConfig.for_model(published.pop("_type"), **published)
         assert unimplemented_routing(config, get_adapter(config.model_type)) == [], name

@@ -1,4 +1,4 @@
-"""Real checkpoints' configs, as they ship: tiny replicas of each (``tests/real_configs.py``) keep every routing
+"""Real checkpoints' configs, as they ship: tiny replicas of each (``rpb.testing.replicas``) keep every routing
 value of the vendored ``config.json``, and go end to end through rpb -- collect, the anchor's selection
 against the family's hand-written rule, calibrate, train (``rpb`` and ``kl-to-base``, 2 steps) and
 retention."""
@@ -20,9 +20,7 @@ from rpb.data import AnchorCollator, load_labelled
 from rpb.models import load_causal_lm, load_tokenizer
 from rpb.retention.run import run_retention
 from rpb.testing.data import conversations, write_jsonl
-from rpb.train import run_training
-from tests.hand_routing import token_bias
-from tests.real_configs import (
+from rpb.testing.replicas import (
     REPLICAS,
     ROUTING_KEYS,
     moe_layer_count,
@@ -30,6 +28,8 @@ from tests.real_configs import (
     routing_part,
     source,
 )
+from rpb.train import run_training
+from tests.hand_routing import token_bias
 from tests.test_routing import reference_route
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -60,7 +60,7 @@ def test_each_vendored_config_is_the_published_file():
     revision (the copies that lack the HF file's final newline are named so)."""
     import hashlib
 
-    from tests.real_configs import FIXTURES
+    from rpb.testing.replicas import CONFIGS as FIXTURES
 
     sources = json.loads((FIXTURES / "SOURCES.json").read_text())
     assert sorted(sources) == sorted(p.name for p in FIXTURES.glob("*.json") if p.name != "SOURCES.json")
@@ -85,7 +85,7 @@ def check_selection_against_the_hand_rule(model_dir, data, prior) -> int:
     """One anchored training forward (beta 1): every content token's experts are the family's hand-written
     selection on logits + eq. 3's bias; returns the number of tokens whose choice the bias changed."""
     model = load_causal_lm(str(model_dir)).train()
-    rows = load_labelled(str(data), load_tokenizer(str(model_dir)), 192).examples[:4]
+    rows = load_labelled(str(data), load_tokenizer(str(model_dir)), 512).examples[:4]
     batch = AnchorCollator(pad_id=0)([{"input_ids": e.input_ids, "labels": e.input_ids, "span_ids": e.span_ids,
                                         "sample_index": e.index} for e in rows])  # fmt: skip
     pi = load_artifact(prior).prior_qa
@@ -121,7 +121,7 @@ def test_every_family_end_to_end(name, replica, tmp_path):
     data = write_jsonl(conversations(4, seed=3), tmp_path / "train.jsonl")
     prior = tmp_path / "prior.safetensors"
     top_k = routing_part(published(name))["num_experts_per_tok"]
-    art = collect(str(model_dir), data, prior, top_k=top_k, max_seq_len=192, progress=False)
+    art = collect(str(model_dir), data, prior, top_k=top_k, max_seq_len=512, progress=False)
     assert art.prior_qa.shape[2] == moe_layer_count(name) and art.metadata["top_k"] == top_k
 
     assert check_selection_against_the_hand_rule(model_dir, data, prior) > 0

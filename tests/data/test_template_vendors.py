@@ -1,4 +1,4 @@
-"""The vendors' own chat templates (tests/fixtures/templates, verbatim): exact Q / A spans on one turn, two
+"""The vendors' own chat templates (rpb/testing/templates, verbatim): exact Q / A spans on one turn, two
 turns and a system prompt; reasoning rows in their three shapes labelled by the rule of docs/data.md (the
 expected labels written out from each template's source); the refusals; a clock-reading template."""
 
@@ -15,8 +15,8 @@ from rpb.data.dataset import label_row
 from rpb.data.errors import RowProblem
 from rpb.data.jsonl import MessagesRow
 from rpb.prior import SPAN_A, SPAN_Q, STRUCTURAL
+from rpb.testing.vendors import TEMPLATES, VENDORS, sources, template_text, vendor_tokenizer
 from tests.conftest import write_rows
-from tests.vendor_templates import TEMPLATES, VENDORS, sources, template_text, vendor_tokenizer
 
 Q1, A1, Q2, A2, SYSTEM = "What is 2+2?", "It is 4.", "And 3+3?", "Six.", "Answer briefly."
 R1, R2 = "Two and two make four.", "Three doubled."

@@ -1,5 +1,5 @@
 """The family matrix: the routing monitor, ``rpb audit`` and expert training on every real-config replica
-(``tests/real_configs.REPLICAS``; a replica added there runs here too, none skipped).
+(``rpb.testing.REPLICAS``; a replica added to its registry runs here too, none skipped).
 
 Each check is read against something computed apart from the code under test: the monitor's figures against
 the router's own logits and selection and the family's hand-written rule (tests/test_routing.py); the audit
@@ -8,6 +8,7 @@ The replicas are the session's (``replica`` fixture, shared with tests/adapters/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -25,7 +26,7 @@ from rpb.models import load_causal_lm, load_tokenizer
 from rpb.monitor import MonitorConfig, RoutingMonitor, audit
 from rpb.monitor.run import run_audit
 from rpb.testing.data import conversations, write_jsonl
-from tests.real_configs import REPLICAS, published, routing_part
+from rpb.testing.replicas import REPLICAS, published, routing_part
 from tests.test_routing import reference_route
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,6 +34,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 #: a routed expert's parameter: ``layers.<i>.<block>.experts.<rest>`` (shared experts are ``shared_expert(s)``)
 ROUTED = re.compile(r"layers\.(\d+)\.[a-z_]+\.experts\.")
 SHARED = re.compile(r"\.shared_experts?(_gate)?[.]")
+#: every row whole under each vendor's template (gpt-oss's system header alone is about 250 tokens)
+MAX_LEN = 512
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def family(replica, tmp_path_factory):
             model_dir = replica(name)
             data = write_jsonl(conversations(6, seed=5), tmp / "train.jsonl")
             top_k = routing_part(published(name))["num_experts_per_tok"]
-            collect(str(model_dir), data, tmp / "prior.safetensors", top_k=top_k, max_seq_len=160, progress=False)
+            collect(str(model_dir), data, tmp / "prior.safetensors", top_k=top_k, max_seq_len=MAX_LEN, progress=False)
             cache[name] = model_dir, data, tmp / "prior.safetensors", top_k
         return cache[name]
 
@@ -54,7 +57,7 @@ def family(replica, tmp_path_factory):
 
 
 def batch_of(model_dir, data, rows=4) -> dict:
-    examples = load_labelled(str(data), load_tokenizer(str(model_dir)), 160).examples[:rows]
+    examples = load_labelled(str(data), load_tokenizer(str(model_dir)), MAX_LEN).examples[:rows]
     return AnchorCollator(pad_id=0)([{"input_ids": e.input_ids, "labels": e.input_ids, "span_ids": e.span_ids,
                                       "sample_index": e.index} for e in examples])  # fmt: skip
 
@@ -154,7 +157,7 @@ def moved_by_a_hook(module, args):
 def test_the_audit_is_quiet_on_correct_set_ups_and_catches_a_moved_frozen_router(name, family, tmp_path):
     model_dir, data, prior, _ = family(name)
     common = [f"model={model_dir}", f"data_jsonl={data}", f"output_dir={tmp_path / 'run'}", "train.calibrate_rows=0",
-              "train.batch_size=4", "train.max_seq_len=160"]  # fmt: skip
+              "train.batch_size=4", f"train.max_seq_len={MAX_LEN}"]  # fmt: skip
     rpb = run_audit(None, [*common, f"prior={prior}", "anchor.method=rpb", "anchor.beta=4.0"])
     assert rpb.contradictions == [] and rpb.asked.router == "free"
     assert all(a.grad > 0 and a.biased > 0 for a in rpb.layers), "rpb trains the routers and biases selection"
@@ -204,23 +207,29 @@ def test_expert_training_moves_the_chosen_experts_alone(name, family, tmp_path):
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
               "labels": batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)}  # fmt: skip
 
-    for how in ("full", "lora"):
+    # the file's flags both ways under full fine-tuning: shared experts (and their gates) with the routed ones,
+    # or the non-expert modules (routers included) without the shared experts
+    flipped = dataclasses.replace(choice, shared_experts=False, non_expert_modules=True)
+    for how, flags in (("full", choice), ("full", flipped), ("lora", choice)):
         model = load_causal_lm(str(model_dir)).train()
         facts = get_adapter(model.config.model_type)
-        E = int(find_moe_layers(model, facts)[0].router.weight.shape[0])
+        layers = find_moe_layers(model, facts)
+        E = int(layers[0].router.weight.shape[0])
+        routers = {id(p) for m in layers for p in m.router.parameters()}
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         if how == "full":
-            train_only_experts(model, choice, facts)
+            train_only_experts(model, flags, facts)
             run = model
         else:
             run = apply_lora(model, LoraSection(rank=2, attention=False, experts={"from": str(path)}), facts)
         optimizer = torch.optim.AdamW([p for p in run.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
-        grads = {}
+        grads, pushed = {}, set()  # the first step's gradients; what any step gave a nonzero gradient
         for step in range(2):
             optimizer.zero_grad()
             run(**inputs).loss.backward()
             if step == 0:
                 grads = {n: p.grad.clone() for n, p in run.named_parameters() if p.grad is not None}
+            pushed |= {n for n, p in run.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
             optimizer.step()
         if how == "lora":
             run = run.merge_and_unload()
@@ -246,7 +255,11 @@ def test_expert_training_moves_the_chosen_experts_alone(name, family, tmp_path):
             if n in routed:
                 continue
             moved = not torch.equal(p, before[n])
-            # full fine-tuning: shared experts and their gates train (the file says so), the rest stays;
-            # LoRA on experts alone leaves every other weight as it was
-            expected = how == "full" and bool(SHARED.search(f".{n}"))
-            assert moved == expected, f"{name} {how}: {n} moved={moved}"
+            shared = bool(SHARED.search(f".{n}"))
+            # full fine-tuning: shared experts and their gates train when the file says so, the non-expert
+            # modules (those a gradient reaches) when it says so; LoRA on experts alone leaves every other weight
+            expected = how == "full" and ((shared and flags.shared_experts) or (
+                not shared and flags.non_expert_modules and n in pushed))  # fmt: skip
+            assert moved == expected, f"{name} {how} {flags.shared_experts=} {flags.non_expert_modules=}: {n} {moved=}"
+            if id(p) in routers and how == "full":
+                assert moved == flags.non_expert_modules, f"{name}: router {n} moved={moved}"

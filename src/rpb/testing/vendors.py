@@ -1,9 +1,8 @@
-"""Vendors' chat templates as they ship (tests/fixtures/templates, sources in SOURCES.json), each with a
-tokenizer carrying the vendor's special tokens.
+"""Vendors' chat templates as they ship (``templates/``, each file's repository, path, commit and sha256 in
+``templates/SOURCES.json``), each with a tokenizer carrying the vendor's special tokens.
 
 The tokenizer is byte-level with one token per byte (no merges), so decoding a labelled run of tokens shows
-exactly the characters the labels cover; BPE tokens that straddle a content boundary are tested with
-``tests/extra_tokenizers.py``.
+exactly the characters the labels cover.
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+TEMPLATES = Path(__file__).parent / "templates"
 
-#: name -> (bos, eos, other added tokens the template's text does not show as markers)
+#: template -> (bos, eos, other added tokens the template's text does not show as markers)
 VENDORS = {
     "kimi_k2": ("[BOS]", "[EOS]", []),
     "deepseek_v3_1": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", ["<think>", "</think>"]),
@@ -36,10 +35,14 @@ def template_text(name: str) -> str:
 
 
 def sources() -> dict:
+    """``{file name: {"checkpoint", "repository", "path", "commit", "sha256", "bytes", ...}}`` of every template."""
     return json.loads((TEMPLATES / "SOURCES.json").read_text())
 
 
 def vendor_tokenizer(name: str) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with the vendor's bos, eos and marker tokens and its chat template ``name``."""
+    if name not in VENDORS:
+        raise ValueError(f"no vendored chat template {name!r}; the vendored ones: {', '.join(VENDORS)}")
     bos, eos, extra = VENDORS[name]
     text = template_text(name)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
