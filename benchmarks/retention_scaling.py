@@ -56,9 +56,9 @@ from transformers.utils import logging as hf_logging
 from rpb.adapters import find_moe_layers
 from rpb.data import collate, load_labelled
 from rpb.models import load_base_model, load_tokenizer
+from rpb.observe.trace import RouterTap, route_batch
 from rpb.retention.run import collect_routing
 from rpb.retention.stats import ModelRouting, PairedOverlap
-from rpb.retention.trace import RouterTap, route_batch
 from rpb.testing.data import long_conversations, write_jsonl
 from rpb.testing.models import build_tiny_model
 from rpb.testing.tokenizers import moonlight_tokenizer

@@ -239,8 +239,10 @@ def test_collect_counts_the_rows_cut_by_max_seq_len_in_the_log_and_the_prior(sav
     short = [qa("What is 1 + 1?", "2"), qa("Name a colour.", "Blue."), qa("Hi", "Hello")]
     long = [qa("Say it often.", "again and again " * 40), qa("Count.", " ".join(str(i) for i in range(80)))]
     tok = AutoTokenizer.from_pretrained(model)
-    tokens = [len(tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)["input_ids"])
-              for r in (*short, *long)]  # fmt: skip
+    tokens = [
+        len(tok(tok.apply_chat_template(r["messages"], tokenize=False), add_special_tokens=False)["input_ids"])
+        for r in (*short, *long)
+    ]
     assert max(tokens[:3]) < 128 < min(tokens[3:])
     data = write_rows(tmp_path / "rows.jsonl", [long[0], short[0], short[1], long[1], short[2]])
     out = tmp_path / "prior.safetensors"
@@ -250,3 +252,22 @@ def test_collect_counts_the_rows_cut_by_max_seq_len_in_the_log_and_the_prior(sav
         assert main(args) == 0
     assert artifact_module.read_metadata(out).get("truncated_rows") == 2
     assert "2 of 5 row(s) are longer than max_seq_len=128 tokens" in caplog.text
+
+
+def test_a_plugin_that_fails_to_load_is_named_and_the_core_commands_still_run(tmp_path, monkeypatch, capsys):
+    from importlib.metadata import EntryPoint
+
+    import rpb.cli
+
+    broken = EntryPoint(name="gone", value="rpb_no_such_plugin.cli:add_commands", group="rpb.commands")
+    monkeypatch.setattr(rpb.cli, "entry_points", lambda group: [broken] if group == "rpb.commands" else [])
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "collect" in out and "demo" not in out
+    assert "gone = rpb_no_such_plugin.cli:add_commands failed to load" in " ".join(out.split())
+    assert main(["demo", "--out", str(tmp_path)]) == 2  # asked for: said, not swallowed
+    err = capsys.readouterr().err
+    assert "No module named 'rpb_no_such_plugin'" in err and "rpb demo: no such command" in err
+    assert main(["validate", str(tmp_path / "missing.safetensors")]) == 1  # a core command runs as before
+    assert "not a readable safetensors file" in capsys.readouterr().err

@@ -29,14 +29,20 @@ def files(tmp_path_factory, save_tiny):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    """The model loaders fail the test if anything calls them."""
+    """The model loaders fail the test if anything calls them.
+
+    rpb.train is imported first and patched too: a module first imported under the patch would bind the fake
+    loader for the rest of the session, and a later test that loads a model would fail.
+    """
     import rpb.models
+    import rpb.train
 
     def fail(*args, **kwargs):
         raise AssertionError("the dry run loaded the model")
 
     for name in ("load_causal_lm", "load_base_model"):
         monkeypatch.setattr(rpb.models, name, fail)
+    monkeypatch.setattr(rpb.train, "load_causal_lm", fail)
 
 
 def test_a_dry_run_lists_every_bad_row_as_the_real_run_reports_it(files, tmp_path, capsys, no_model):

@@ -12,7 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from rpb.toyworld.base import BaseRecipe
-from rpb.toyworld.experiment import Arm, Grid, Study
+from rpb.toyworld.experiment import Study
+from rpb.toyworld.grids import Arm, Grid
 from rpb.toyworld.world import PostRecipe
 
 MINI_BASE = BaseRecipe(hidden_size=32, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,

@@ -116,6 +116,7 @@ def save_artifact(artifact: PriorArtifact, path: str | Path) -> None:
 # ---- streamed writing ------------------------------------------------------------------------
 
 #: safetensors dtype names that can be viewed in place (others are read as copies)
+# fmt: skip below: a table of data, kept aligned row by row (the formatter would put one item per line)
 _MAPPABLE = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

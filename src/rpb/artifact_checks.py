@@ -158,8 +158,11 @@ def note_unhashed(path: str | Path, meta: dict) -> None:
     _noted.add(key)
     logger.warning(
         "rpb: %s: schema %s prior without %s: its values are checked, its tensor bytes cannot be "
-        "(collect it again to add the hash)", path, meta.get("schema_version"), TENSORS_SHA256,
-    )  # fmt: skip
+        "(collect it again to add the hash)",
+        path,
+        meta.get("schema_version"),
+        TENSORS_SHA256,
+    )
 
 
 def load_prior(path: str | Path, mmap: bool = True) -> PriorArtifact:

@@ -92,8 +92,9 @@ def resolve_resume(output_dir: str | Path, spec: str | None, record: dict) -> st
         if key not in ("path", "model") and saved.get(section, {}).get(key) != value
     ]
     if mismatches:
-        lines = "\n".join(f"  {name}: the checkpoint's run has {old!r}, this run has {new!r}"
-                          for name, old, new in mismatches)  # fmt: skip
+        lines = "\n".join(
+            f"  {name}: the checkpoint's run has {old!r}, this run has {new!r}" for name, old, new in mismatches
+        )
         raise ResumeError(
             f"train.resume_from_checkpoint: {path} was written by another set-up ({len(mismatches)} field(s)):\n"
             f"{lines}\nresume with the run's own base, prior, data and anchor, or start a new output_dir"

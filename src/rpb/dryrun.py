@@ -145,11 +145,18 @@ def _settings(cfg: RunConfig, tokenizer, meta: dict, max_seq_len, problems: list
         problems.append(f"tokenizer: {e}")
         return
     run = RunFacts(
-        data_sha256=meta.get("data_sha256"), num_rows=meta.get("num_rows"), model=cfg.model, routers_sha256="",
-        tokenizer=cfg.tokenizer or cfg.model, chat_template_sha256=template_sha256,
-        chat_template_kwargs=cfg.data.chat_template_kwargs, top_k=0, max_seq_len=max_seq_len, moe_layers=[],
+        data_sha256=meta.get("data_sha256"),
+        num_rows=meta.get("num_rows"),
+        model=cfg.model,
+        routers_sha256="",
+        tokenizer=cfg.tokenizer or cfg.model,
+        chat_template_sha256=template_sha256,
+        chat_template_kwargs=cfg.data.chat_template_kwargs,
+        top_k=0,
+        max_seq_len=max_seq_len,
+        moe_layers=[],
         num_experts=0,
-    )  # fmt: skip
+    )
     try:
         verify_prior(meta, run, cfg.prior)
     except PriorMismatchError as e:

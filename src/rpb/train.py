@@ -112,22 +112,40 @@ def attach_anchor(
     transform = run_transform(anchor_cfg.router_transform, meta.get("router_transform"), facts.score_function)
     anchor_cfg = dataclasses.replace(anchor_cfg, router_transform=transform)
 
-    info: dict = {"method": method.name, "rows": data.num_rows, "max_seq_len": max_seq_len, "data_sha256": data.sha256,
-                  "router_transform": anchor_cfg.router_transform, **data.template_settings,
-                  "reasoning": data.reasoning, "truncated_rows": data.truncated_rows}  # fmt: skip
+    info: dict = {
+        "method": method.name,
+        "rows": data.num_rows,
+        "max_seq_len": max_seq_len,
+        "data_sha256": data.sha256,
+        "router_transform": anchor_cfg.router_transform,
+        **data.template_settings,
+        "reasoning": data.reasoning,
+        "truncated_rows": data.truncated_rows,
+    }
     sigma_LE = None
     if method.shuffle is not None:
         labels_LE = None
         if method.shuffle == "within-transition":
             comm = base_transition_communities(
-                model, layers, data.examples, anchor_cfg.shuffle_seed, anchor_cfg.community_resolution,
-                batch_size, pad_id_of(tokenizer),
-            )  # fmt: skip
+                model,
+                layers,
+                data.examples,
+                anchor_cfg.shuffle_seed,
+                anchor_cfg.community_resolution,
+                batch_size,
+                pad_id_of(tokenizer),
+            )
         elif method.needs_communities:
             comm = base_communities(
-                model, layers, data.examples, anchor_cfg.shuffle_seed, anchor_cfg.community_resolution,
-                batch_size, pad_id_of(tokenizer), progress,
-            )  # fmt: skip
+                model,
+                layers,
+                data.examples,
+                anchor_cfg.shuffle_seed,
+                anchor_cfg.community_resolution,
+                batch_size,
+                pad_id_of(tokenizer),
+                progress,
+            )
         if method.needs_communities:
             labels_LE = comm.labels_LE
             info["base_communities"] = {"labels": labels_LE.tolist(), "modularity": comm.modularity_L}
@@ -141,9 +159,12 @@ def attach_anchor(
         model = apply_lora(model, lora, facts)  # before the anchor: PEFT replaces or copies the routers
         info["lora"] = dataclasses.asdict(lora)
     handle = install_anchor(
-        model, anchor_cfg, prior=artifact.prior_qa if artifact is not None else None, sigma_LE=sigma_LE,
+        model,
+        anchor_cfg,
+        prior=artifact.prior_qa if artifact is not None else None,
+        sigma_LE=sigma_LE,
         adapter=adapter,
-    )  # fmt: skip
+    )
     return handle, info
 
 
@@ -173,11 +194,21 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
         facts = get_adapter(cfg.adapter or model.config.model_type)
         expert_mask = train_only_experts(model, read_choice(cfg.train.only_experts), facts)
     handle, info = attach_anchor(
-        model, tokenizer, data, cfg.anchor, artifact, model_id=cfg.model, prior_path=cfg.prior,
+        model,
+        tokenizer,
+        data,
+        cfg.anchor,
+        artifact,
+        model_id=cfg.model,
+        prior_path=cfg.prior,
         tokenizer_id=cfg.tokenizer,
-        max_seq_len=max_seq_len, adapter=cfg.adapter, batch_size=cfg.train.batch_size, progress=progress,
-        lora=cfg.lora, seed=cfg.train.seed,
-    )  # fmt: skip
+        max_seq_len=max_seq_len,
+        adapter=cfg.adapter,
+        batch_size=cfg.train.batch_size,
+        progress=progress,
+        lora=cfg.lora,
+        seed=cfg.train.seed,
+    )
     if cfg.lora.enabled and cfg.train.gradient_checkpointing:
         handle.model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
     dataset = ExampleDataset(data.examples, cfg.train.loss_on)
@@ -259,13 +290,21 @@ def check_displacement(cfg: RunConfig, prepared: PreparedRun, log_path: Path) ->
 
     if not prepared.handle.method.needs_prior or cfg.train.calibrate_rows == 0:
         return None
-    per_layer = startup_displacement(prepared.handle, prepared.model, prepared.dataset.examples,
-                                     cfg.train.calibrate_rows, cfg.data.seed, cfg.train.batch_size,
-                                     prepared.collator.pad_id)  # fmt: skip
+    per_layer = startup_displacement(
+        prepared.handle,
+        prepared.model,
+        prepared.dataset.examples,
+        cfg.train.calibrate_rows,
+        cfg.data.seed,
+        cfg.train.batch_size,
+        prepared.collator.pad_id,
+    )
     mean = sum(per_layer) / len(per_layer)
     record = {"step": 0, "calibrate/displacement": round(mean, 5)}
-    record |= {f"calibrate/displacement/layer{layer.moe.layer_index}": round(v, 5)
-               for layer, v in zip(prepared.handle.layers, per_layer, strict=True)}  # fmt: skip
+    record |= {
+        f"calibrate/displacement/layer{layer.moe.layer_index}": round(v, 5)
+        for layer, v in zip(prepared.handle.layers, per_layer, strict=True)
+    }
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
@@ -275,8 +314,11 @@ def check_displacement(cfg: RunConfig, prepared: PreparedRun, log_path: Path) ->
             "rpb: %s (anchor.beta=%g) moves %.0f%% of content tokens off the base's own expert choice before any "
             "training (mean over MoE layers; train.displacement_warn=%g): it will replace the base's routing with "
             "the span average rather than hold it. `rpb calibrate` measures other betas.",
-            cfg.anchor.method, cfg.anchor.beta, 100 * mean, cfg.train.displacement_warn,
-        )  # fmt: skip
+            cfg.anchor.method,
+            cfg.anchor.beta,
+            100 * mean,
+            cfg.train.displacement_warn,
+        )
     return mean
 
 
@@ -293,9 +335,11 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
     out.mkdir(parents=True, exist_ok=True)
     # the base's routers as loaded, before any training or resumed weights touch them
     record = run_record(
-        cfg, base_routers_sha256=routers_sha256([lay.moe for lay in prepared.handle.layers], prepared.handle.facts),
-        data_sha256=prepared.info["data_sha256"], prior_sha256=file_sha256(cfg.prior) if cfg.prior else None,
-    )  # fmt: skip
+        cfg,
+        base_routers_sha256=routers_sha256([lay.moe for lay in prepared.handle.layers], prepared.handle.facts),
+        data_sha256=prepared.info["data_sha256"],
+        prior_sha256=file_sha256(cfg.prior) if cfg.prior else None,
+    )
     markers = [CompleteMarker(record)] if cfg.train.save_every else []
     trainer = AnchorTrainer(
         model=prepared.model,

@@ -125,9 +125,13 @@ def _check_model(meta: dict, expected_model: str, problems: list[str]) -> None:
         problems.append(f"model: {e}")
         return
     mismatches = model_mismatches(
-        meta, model=expected_model, routers_sha256=found.routers_sha256, top_k=found.top_k,
-        moe_layers=found.moe_layers, num_experts=found.num_experts,
-    )  # fmt: skip
+        meta,
+        model=expected_model,
+        routers_sha256=found.routers_sha256,
+        top_k=found.top_k,
+        moe_layers=found.moe_layers,
+        num_experts=found.num_experts,
+    )
     for name, old, new in mismatches:
         if name == "model":
             problems.append(f"model: the prior was collected on {old!r}, whose routers differ from {new!r}'s")

@@ -11,7 +11,7 @@ from torch import nn
 from rpb.adapters import ADAPTERS, MoELayer, UnsupportedModelError, get_adapter, register_adapter, router_output
 from rpb.collect.collector import SpanAccumulator
 from rpb.errors import ArgumentError
-from rpb.retention.trace import RouterTap
+from rpb.observe.trace import RouterTap
 
 
 class LogitsOnlyRouter(nn.Module):

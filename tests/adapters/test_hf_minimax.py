@@ -18,9 +18,20 @@ from tests.hand_routing import hand_bias
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8,
-        "intermediate_size": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "rotary_dim": 8, "pad_token_id": 0,
-        "bos_token_id": None, "eos_token_id": None}  # fmt: skip
+TINY = {
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "intermediate_size": 16,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "rotary_dim": 8,
+    "pad_token_id": 0,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
 
 
 def build(vocab_size: int, seed: int = 0):
@@ -112,8 +123,9 @@ def test_the_fingerprint_reads_the_blocks_bias(saved, tmp_path):
 def test_the_collected_prior_matches_the_routers_logits(saved, moon_tok, tmp_path):
     rows = [{"messages": [{"role": r, "content": c} for r, c in conv]} for conv in CONVERSATIONS]
     data = write_rows(tmp_path / "data.jsonl", rows)
-    art = collect(str(saved), data, tmp_path / "prior.safetensors", top_k=2, max_seq_len=512, batch_size=2,
-                  progress=False)  # fmt: skip
+    art = collect(
+        str(saved), data, tmp_path / "prior.safetensors", top_k=2, max_seq_len=512, batch_size=2, progress=False
+    )
     expected, moe_layers = expected_prior(saved, moon_tok, "softmax")
     assert art.metadata["moe_layers"] == moe_layers == [0, 1, 2]
     torch.testing.assert_close(art.prior_qa.double(), expected, atol=1e-5, rtol=0)

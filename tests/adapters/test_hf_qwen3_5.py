@@ -24,10 +24,23 @@ from tests.test_routing import canonical, random_hidden, reference_route
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TEXT = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8, "num_experts": 16, "num_experts_per_tok": 4,
-        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "vocab_size": 64}  # fmt: skip
+TEXT = {
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "moe_intermediate_size": 8,
+    "shared_expert_intermediate_size": 8,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "vocab_size": 64,
+}
 
 
 def tiny_routers():

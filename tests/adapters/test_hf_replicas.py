@@ -86,8 +86,12 @@ def check_selection_against_the_hand_rule(model_dir, data, prior) -> int:
     selection on logits + eq. 3's bias; returns the number of tokens whose choice the bias changed."""
     model = load_causal_lm(str(model_dir)).train()
     rows = load_labelled(str(data), load_tokenizer(str(model_dir)), 512).examples[:4]
-    batch = AnchorCollator(pad_id=0)([{"input_ids": e.input_ids, "labels": e.input_ids, "span_ids": e.span_ids,
-                                        "sample_index": e.index} for e in rows])  # fmt: skip
+    batch = AnchorCollator(pad_id=0)(
+        [
+            {"input_ids": e.input_ids, "labels": e.input_ids, "span_ids": e.span_ids, "sample_index": e.index}
+            for e in rows
+        ]
+    )
     pi = load_artifact(prior).prior_qa
     handle = install_anchor(model, AnchorConfig(method="rpb", beta=1.0), prior=pi)
     seen = []
@@ -131,10 +135,21 @@ def test_every_family_end_to_end(name, replica, tmp_path):
 
     outs = {}
     for method in ("rpb", "kl-to-base"):
-        cfg = load_config(None, [f"model={model_dir}", f"data_jsonl={data}", f"prior={prior}",
-                                 f"output_dir={tmp_path / method}", f"anchor.method={method}", "anchor.lambda=0.1",
-                                 "train.max_steps=2", "train.batch_size=2", "train.calibrate_rows=0",
-                                 "train.log_every=1"])  # fmt: skip
+        cfg = load_config(
+            None,
+            [
+                f"model={model_dir}",
+                f"data_jsonl={data}",
+                f"prior={prior}",
+                f"output_dir={tmp_path / method}",
+                f"anchor.method={method}",
+                "anchor.lambda=0.1",
+                "train.max_steps=2",
+                "train.batch_size=2",
+                "train.calibrate_rows=0",
+                "train.log_every=1",
+            ],
+        )
         outs[method] = run_training(cfg, progress=False)
         logs = [json.loads(x) for x in (outs[method] / "log.jsonl").read_text().splitlines()]
         assert [r["step"] for r in logs if "loss" in r] == [1, 2]

@@ -36,9 +36,13 @@ def by_hand(logits_TE: torch.Tensor, valid_T: torch.Tensor) -> float:
 @contextlib.contextmanager
 def registered():
     method = Method(
-        NAME, "+ `lambda` × mean squared router logit (a test's method)",
-        loss=LossAnchor(logit_norm, frozenset({"logits"})), coefficient="lambda_", weights=WEIGHTS, tables=("forms",),
-    )  # fmt: skip
+        NAME,
+        "+ `lambda` × mean squared router logit (a test's method)",
+        loss=LossAnchor(logit_norm, frozenset({"logits"})),
+        coefficient="lambda_",
+        weights=WEIGHTS,
+        tables=("forms",),
+    )
     register_method(method)
     try:
         yield method

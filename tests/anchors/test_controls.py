@@ -87,8 +87,8 @@ def test_transition_controls_permute_within_the_bases_transition_communities(sav
     from rpb.anchors.controls import base_transition_communities, layer_permutations
     from rpb.data import load_labelled
     from rpb.models import load_base_model, load_tokenizer
+    from rpb.retention.communities import louvain
     from rpb.retention.run import collect_routing
-    from rpb.retention.transitions import directed_louvain
     from rpb.testing.data import conversations, write_jsonl
 
     model_dir = save_tiny("qwen3_moe")
@@ -100,7 +100,7 @@ def test_transition_controls_permute_within_the_bases_transition_communities(sav
     comm = base_transition_communities(model, layers, examples, seed=3, batch_size=5, pad_id=0)
     stats, _ = collect_routing([model], [layers], examples, 4, 0, progress=False, transitions=True)
     for pos in range(len(layers)):
-        labels, _ = directed_louvain(stats[0].transitions.graph(pos), seed=3)
+        labels, _ = louvain(stats[0].transitions.graph(pos), seed=3, directed=True)
         assert torch.equal(comm.labels_LE[pos], labels)
     sigma = layer_permutations(comm.labels_LE, 8, seed=5, mode="within-transition")
     for pos in range(len(layers)):

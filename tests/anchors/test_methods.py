@@ -12,7 +12,7 @@ from rpb.anchors import METHODS, AnchorConfig, get_method, install_anchor, metho
 from rpb.config import ConfigError, load_config
 from rpb.errors import ArgumentError
 from rpb.testing.models import build_tiny_model
-from rpb.toyworld.experiment import Arm, Grid, table_weights
+from rpb.toyworld.grids import Arm, Grid, table_weights
 from rpb.toyworld.tables import table
 from tests.anchors import dummy_method
 
@@ -32,8 +32,11 @@ def test_needs_are_derived_from_each_entry():
     assert {m for m, e in METHODS.items() if e.needs_communities} == {"within-soft", "within-hard", *transition}
     assert {m for m, e in METHODS.items() if not e.in_paper} == transition
     assert {m: e.coefficient for m, e in METHODS.items() if e.coefficient} == {
-        "lbl": "lbl_coef", "router-l2": "lambda_", "kl-to-base": "lambda_", "logit-l2": "lambda_",
-    }  # fmt: skip
+        "lbl": "lbl_coef",
+        "router-l2": "lambda_",
+        "kl-to-base": "lambda_",
+        "logit-l2": "lambda_",
+    }
     assert not get_method("router-l2").loss.from_forward and get_method("lbl").loss.from_forward
 
 
@@ -86,8 +89,10 @@ def test_a_registered_method_is_configurable_searched_and_tabled(dummy, tmp_path
     assert grid.candidates[dummy_method.NAME] == dummy_method.WEIGHTS == table_weights()[dummy_method.NAME]
     # and the forms table lists it, because its entry says so
     retention = {"tvd": 0.1, "topk_overlap": 0.9, "nmi": 0.5}
-    results = [{"set": "math_post", "arm": a, "method": a, "seed": 42, "id": 0.5, "ood": 0.25, "retention": retention}
-               for a in ("sft", dummy_method.NAME)]  # fmt: skip
+    results = [
+        {"set": "math_post", "arm": a, "method": a, "seed": 42, "id": 0.5, "ood": 0.25, "retention": retention}
+        for a in ("sft", dummy_method.NAME)
+    ]
     forms = table("forms", results, ("math_post",), ("sft", dummy_method.NAME))
     assert f"| {dummy_method.NAME} | 50.0 | 25.0 | 0.100 | 0.900 |" in forms
     assert dummy_method.NAME not in table("controls", results, ("math_post",), ("sft", dummy_method.NAME))

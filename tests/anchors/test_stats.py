@@ -16,10 +16,20 @@ from rpb.testing.models import build_tiny_model
 
 def test_figures_are_the_hand_computed_ones():
     load = [3.0, 0.0, 1.0, 4.0]
-    s = LayerStats(tokens=4, content=3, changed=2, load_E=torch.tensor(load), term_sum=0.6, term_steps=3,
-                   overlap=5, overlap_tokens=4, top_k=2)  # fmt: skip
-    out = routing_metrics({0: s, 1: LayerStats(content=1, load_E=torch.ones(4), top_k=2)}, {0: 1, 1: 3},
-                          loss=True, base=True)  # fmt: skip
+    s = LayerStats(
+        tokens=4,
+        content=3,
+        changed=2,
+        load_E=torch.tensor(load),
+        term_sum=0.6,
+        term_steps=3,
+        overlap=5,
+        overlap_tokens=4,
+        top_k=2,
+    )
+    out = routing_metrics(
+        {0: s, 1: LayerStats(content=1, load_E=torch.ones(4), top_k=2)}, {0: 1, 1: 3}, loss=True, base=True
+    )
     assert out["moe/layer_1/load_min"] == 0 and out["moe/layer_1/load_max"] == 0.5
     assert out["moe/layer_1/load_cv"] == pytest.approx(np.std(load) / np.mean(load), abs=1e-6)
     assert out["moe/layer_1/dead_experts"] == 1 and out["moe/layer_3/dead_experts"] == 0
@@ -33,8 +43,17 @@ def test_figures_are_the_hand_computed_ones():
 
 
 def test_pack_round_trips():
-    s = LayerStats(tokens=7, content=5, changed=2, load_E=torch.tensor([1.0, 6.0]), term_sum=0.25, term_steps=1,
-                   overlap=9, overlap_tokens=7, top_k=2)  # fmt: skip
+    s = LayerStats(
+        tokens=7,
+        content=5,
+        changed=2,
+        load_E=torch.tensor([1.0, 6.0]),
+        term_sum=0.25,
+        term_steps=1,
+        overlap=9,
+        overlap_tokens=7,
+        top_k=2,
+    )
     back = LayerStats.unpack(s.pack() * 2, top_k=2)
     assert (back.tokens, back.content, back.changed, back.overlap, back.overlap_tokens) == (14, 10, 4, 18, 14)
     assert back.term_sum == 0.5 and torch.equal(back.load_E, torch.tensor([2.0, 12.0]))
@@ -50,8 +69,10 @@ def test_the_hook_counts_the_current_routers_overlap_with_the_base_on_current_hi
         for r in routers:
             r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(3)) * 0.7)
     hidden = []
-    hooks = [r.register_forward_hook(lambda m, a, o: hidden.append(a[0].detach().reshape(-1, a[0].shape[-1])))
-             for r in routers]  # fmt: skip
+    hooks = [
+        r.register_forward_hook(lambda m, a, o: hidden.append(a[0].detach().reshape(-1, a[0].shape[-1])))
+        for r in routers
+    ]
     ids = torch.randint(1, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     with handle.step(torch.zeros(2, 9, dtype=torch.long), torch.ones(2, 9, dtype=torch.long)):
         model(input_ids=ids)

@@ -15,8 +15,22 @@ from rpb.anchors.transform import family_transform, run_transform
 SIGMOID = {"deepseek_v3", "kimi_k2", "glm4_moe", "minimax_m2"}
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_k2", "glm4_moe", "minimax_m2", "qwen3_moe", "mixtral",
-                                        "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v2", "qwen3_5_moe"])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "deepseek_v3",
+        "kimi_k2",
+        "glm4_moe",
+        "minimax_m2",
+        "qwen3_moe",
+        "mixtral",
+        "gpt_oss",
+        "olmoe",
+        "qwen2_moe",
+        "deepseek_v2",
+        "qwen3_5_moe",
+    ],
+)
 def test_each_family_gets_its_own_transform_without_a_prior(model_type):
     want = "sigmoid-normalized" if model_type in SIGMOID else "softmax"
     assert family_transform(get_adapter(model_type).score_function) == want
@@ -46,8 +60,18 @@ def test_the_toy_worlds_cells_pin_softmax_as_the_shipped_grids_were_made(method,
     seen = []
     monkeypatch.setattr(rpb.train, "run_training", lambda cfg, callbacks=(): seen.append(cfg))
     anchor = {"lambda_": 0.1} if method == "kl-to-base" else {"beta": 1.0}
-    train_cell(tmp_path, tmp_path / "d.jsonl", tmp_path / "prior", tmp_path / "out", method, 42, PostRecipe(), anchor,
-               progress=False)  # fmt: skip
+    train_cell(
+        tmp_path,
+        tmp_path / "d.jsonl",
+        tmp_path / "prior",
+        tmp_path / "out",
+        method,
+        42,
+        PostRecipe(),
+        anchor,
+        progress=False,
+    )
     (cfg,) = seen
-    assert cfg.anchor.router_transform == "softmax" and anchor == ({"lambda_": 0.1} if method == "kl-to-base" else
-                                                                   {"beta": 1.0})  # fmt: skip
+    assert cfg.anchor.router_transform == "softmax" and anchor == (
+        {"lambda_": 0.1} if method == "kl-to-base" else {"beta": 1.0}
+    )

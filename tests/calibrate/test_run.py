@@ -254,8 +254,19 @@ def test_a_sample_reads_only_its_rows_and_is_seeded(case):
 )
 def test_bad_inputs_are_refused_by_name(case, args, message, capsys):
     model, data, prior, tmp = case
-    argv = ["calibrate", "--model", str(model), "--prior", str(prior), "--data-jsonl", str(data), "--out",
-            str(tmp / "bad"), "--no-progress", *args]  # fmt: skip
+    argv = [
+        "calibrate",
+        "--model",
+        str(model),
+        "--prior",
+        str(prior),
+        "--data-jsonl",
+        str(data),
+        "--out",
+        str(tmp / "bad"),
+        "--no-progress",
+        *args,
+    ]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
     assert not (tmp / "bad" / "calibrate.json").exists()

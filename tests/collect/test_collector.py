@@ -47,9 +47,25 @@ def reference(save_tiny, data, tmp_path_factory, one_thread):
 
 
 def cli_args(model, data, out, *extra):
-    return ["collect", "--model", str(model), "--data-jsonl", str(data), "--out-path", str(out), "--top-k", "2",
-            "--max-seq-len", str(SEQ), "--batch-size", str(BATCH), "--chunk-rows", str(CHUNK), "--no-progress",
-            *extra]  # fmt: skip
+    return [
+        "collect",
+        "--model",
+        str(model),
+        "--data-jsonl",
+        str(data),
+        "--out-path",
+        str(out),
+        "--top-k",
+        "2",
+        "--max-seq-len",
+        str(SEQ),
+        "--batch-size",
+        str(BATCH),
+        "--chunk-rows",
+        str(CHUNK),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def data_section_sha256(path) -> str:
@@ -109,8 +125,11 @@ def test_a_streamed_artifact_gets_the_hash_of_its_bytes_in_place(tmp_path):
     specs = [TensorSpec(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
     out = tmp_path / "streamed.safetensors"
     digest = stream_artifact(out, specs, {"schema": "s"}, lambda spec: tensors[spec.name].split([3, 4]))
-    assert digest == data_section_sha256(out) == hashlib.sha256(b"".join(
-        t.numpy().tobytes() for t in tensors.values())).hexdigest()  # fmt: skip
+    assert (
+        digest
+        == data_section_sha256(out)
+        == hashlib.sha256(b"".join(t.numpy().tobytes() for t in tensors.values())).hexdigest()
+    )
     assert read_metadata(out) == {"schema": "s", "tensors_sha256": digest}
     assert all(torch.equal(load_file(out)[k], v) for k, v in tensors.items())
 

@@ -30,8 +30,13 @@ CONVERSATIONS = [
     [("user", "x"), ("assistant", "y")],
 ]
 # model-layer indices of the MoE layers, from each config (first_k_dense_replace / mlp_only_layers)
-EXPECTED_MOE_LAYERS = {"deepseek_v3": [1, 2], "deepseek_v2": [1, 2], "qwen3_moe": [1, 2], "glm4_moe": [1, 2],
-                       "kimi_k2": [1, 2]}  # fmt: skip
+EXPECTED_MOE_LAYERS = {
+    "deepseek_v3": [1, 2],
+    "deepseek_v2": [1, 2],
+    "qwen3_moe": [1, 2],
+    "glm4_moe": [1, 2],
+    "kimi_k2": [1, 2],
+}
 
 
 def char_ids(tok, text):

@@ -80,8 +80,9 @@ def test_a_user_wrap_leaving_the_routers_out_is_read_without_a_warning(caplog):
     [(True, 0.5, True), (True, 0.0, False), (False, 0.5, False)],
 )
 def test_the_native_aux_loss_is_asked_as_the_models_config_sets_it(output_router_logits, coefficient, expected):
-    model = build_tiny_model("qwen3_moe", vocab_size=64, output_router_logits=output_router_logits,
-                             router_aux_loss_coef=coefficient)  # fmt: skip
+    model = build_tiny_model(
+        "qwen3_moe", vocab_size=64, output_router_logits=output_router_logits, router_aux_loss_coef=coefficient
+    )
     assert asked_from_model(model, layers_of(model)).native_aux is expected
     torch.manual_seed(0)
     wrapped = apply_lora(model, LoraSection(rank=4), FACTS)  # read through PEFT's wrapper too

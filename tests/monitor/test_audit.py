@@ -41,8 +41,13 @@ class Rows(torch.utils.data.Dataset):
         labels = self.ids[i].clone()
         labels[:3] = -100
         span = torch.where(labels == -100, STRUCTURAL, SPAN_A)
-        return {"input_ids": self.ids[i], "labels": labels, "attention_mask": torch.ones_like(self.ids[i]),
-                "rpb_sample_index": torch.full_like(self.ids[i], i), "rpb_span": span}  # fmt: skip
+        return {
+            "input_ids": self.ids[i],
+            "labels": labels,
+            "attention_mask": torch.ones_like(self.ids[i]),
+            "rpb_sample_index": torch.full_like(self.ids[i], i),
+            "rpb_span": span,
+        }
 
 
 class PlainRows(Rows):
@@ -52,9 +57,17 @@ class PlainRows(Rows):
 
 
 def arguments(tmp_path, lr=1e-2) -> TrainingArguments:
-    return TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
-                             learning_rate=lr, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
-                             remove_unused_columns=False)  # fmt: skip
+    return TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=lr,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
 
 
 def plain_trainer(tmp_path, model, lr=1e-2) -> Trainer:
@@ -151,8 +164,10 @@ def test_an_lbl_term_cut_off_is_caught(tmp_path):
     model = build_tiny_model("qwen3_moe", vocab_size=64)
     report = audit(anchored_trainer(tmp_path, model, DropsTheTerm, method="lbl", lbl_coef=0.5))
     assert report.anchor_reaches is False and all(a.anchor_grad == 0 for a in report.layers)
-    assert report.contradictions == ["lbl asked, but no load-balancing gradient reached the router (its term is "
-                                     "never added to the loss, or is detached)"]  # fmt: skip
+    assert report.contradictions == [
+        "lbl asked, but no load-balancing gradient reached the router (its term is "
+        "never added to the loss, or is detached)"
+    ]
 
 
 def test_lbl_wired_in_passes_with_its_gradient_on_every_router(tmp_path):
@@ -198,8 +213,7 @@ class AddsTheNativeLoss(Trainer):
     model's config turned off."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        return super().compute_loss(model, {**inputs, "output_router_logits": True}, return_outputs,
-                                    num_items_in_batch)  # fmt: skip
+        return super().compute_loss(model, {**inputs, "output_router_logits": True}, return_outputs, num_items_in_batch)
 
 
 def test_a_native_aux_loss_the_models_config_turns_off_is_caught_without_being_told(tmp_path):
@@ -216,8 +230,9 @@ def lora_trainer(tmp_path, router: str):
     from rpb.lora import LoraSection, apply_lora
 
     torch.manual_seed(0)
-    model = apply_lora(build_tiny_model("qwen3_moe", vocab_size=64), LoraSection(rank=4, router=router),
-                       get_adapter("qwen3_moe"))  # fmt: skip
+    model = apply_lora(
+        build_tiny_model("qwen3_moe", vocab_size=64), LoraSection(rank=4, router=router), get_adapter("qwen3_moe")
+    )
     return plain_trainer(tmp_path, model)
 
 
@@ -225,8 +240,9 @@ def test_lora_on_a_router_meant_frozen_is_caught(tmp_path):
     report = audit(lora_trainer(tmp_path, "lora"), Asked(router="frozen"))
     assert all(a.peft == "LoRA on its weight (target_parameters)" and a.moved > 0 for a in report.layers)
     assert [c.split(" (")[0] for c in report.contradictions] == [
-        "router frozen asked, router changed", "router frozen asked, but PEFT wraps the router"
-    ]  # fmt: skip
+        "router frozen asked, router changed",
+        "router frozen asked, but PEFT wraps the router",
+    ]
 
 
 def test_lora_leaving_the_router_out_passes(tmp_path):
@@ -247,8 +263,9 @@ def test_a_router_frozen_by_hand_before_rpbs_lora_then_trained_as_a_copy_is_caug
     report = audit(plain_trainer(tmp_path, model))
     assert report.asked.frozen_layers == (first.layer_index,) and all(a.moved > 0 for a in report.layers)
     assert [c.split(" (")[0] for c in report.contradictions] == [
-        "router frozen asked, router changed", "router frozen asked, but PEFT wraps the router"
-    ]  # fmt: skip
+        "router frozen asked, router changed",
+        "router frozen asked, but PEFT wraps the router",
+    ]
     assert all(f"(MoE layer {first.layer_index}:" in c for c in report.contradictions)  # the other is not named
 
 
@@ -268,9 +285,21 @@ def run_files(save_tiny, tmp_path_factory):
 
 def rpb_audit(run_files, tmp_path, *extra) -> int:
     model, data, prior = run_files
-    return main(["audit", "--config", str(write_config(tmp_path)), f"model={model}", f"data_jsonl={data}",
-                 f"prior={prior}", f"output_dir={tmp_path / 'run'}", "train.calibrate_rows=0",
-                 "--report", str(tmp_path / "audit.json"), *extra])  # fmt: skip
+    return main(
+        [
+            "audit",
+            "--config",
+            str(write_config(tmp_path)),
+            f"model={model}",
+            f"data_jsonl={data}",
+            f"prior={prior}",
+            f"output_dir={tmp_path / 'run'}",
+            "train.calibrate_rows=0",
+            "--report",
+            str(tmp_path / "audit.json"),
+            *extra,
+        ]
+    )
 
 
 def write_config(tmp_path):
@@ -311,9 +340,24 @@ def test_rpb_audit_runs_minimax_m2_whose_router_takes_the_blocks_bias(run_files,
     """MiniMax-M2's router cannot be called alone: its MoE block hands it the expert-correction bias."""
     _, data, _ = run_files
     write_config(tmp_path)
-    assert main(["audit", "--config", str(tmp_path / "train.yaml"), f"model={replica('minimax_m2')}",
-                 f"data_jsonl={data}", "anchor.method=sft", "train.max_seq_len=128", f"output_dir={tmp_path / 'run'}",
-                 "train.calibrate_rows=0", "--report", str(tmp_path / "audit.json")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "audit",
+                "--config",
+                str(tmp_path / "train.yaml"),
+                f"model={replica('minimax_m2')}",
+                f"data_jsonl={data}",
+                "anchor.method=sft",
+                "train.max_seq_len=128",
+                f"output_dir={tmp_path / 'run'}",
+                "train.calibrate_rows=0",
+                "--report",
+                str(tmp_path / "audit.json"),
+            ]
+        )
+        == 0
+    )
     assert "no contradiction" in capsys.readouterr().out
     layers = json.loads((tmp_path / "audit.json").read_text())["layers"]
     assert len(layers) == 2 and all(a["grad"] > 0 and a["moved"] > 0 and a["expert_bias"] == 0 for a in layers)

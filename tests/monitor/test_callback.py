@@ -35,9 +35,17 @@ def trainer(tmp_path, steps, callbacks=(), report_to=("tensorboard",), monkeypat
     if monkeypatch is not None:
         monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     model = build_tiny_model("qwen3_moe", vocab_size=64).train()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, logging_steps=1,
-                             learning_rate=5e-2, report_to=list(report_to), save_strategy="no", use_cpu=True,
-                             disable_tqdm=True)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=5e-2,
+        report_to=list(report_to),
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     return Trainer(model=model, args=args, train_dataset=Rows(), callbacks=list(callbacks))
 
 
@@ -118,9 +126,18 @@ def test_on_an_anchored_trainer_it_reads_the_anchors_taps_beside_the_anchors_own
 
     model = build_tiny_model("qwen3_moe", vocab_size=64).train()
     handle = install_anchor(model, AnchorConfig(method="kl-to-base", lambda_=0.1))
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=1,
-                             learning_rate=5e-2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
-                             remove_unused_columns=False)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=5e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
     keep, hooks = Keep(), CountHooks()
     t = AnchorTrainer(model=model, args=args, train_dataset=KeyedRows(), anchor=handle, callbacks=[keep, hooks])
     callback = attach_monitor(t)

@@ -48,8 +48,9 @@ def test_figures_equal_the_hand_computation_on_moved_routers():
         for m in layers:  # the fine-tune's drift: a known move of every router
             m.router.weight.add_(torch.randn(m.router.weight.shape, generator=gen) * 0.5)
     seen = []
-    hooks = [m.router.register_forward_hook(lambda mod, a, o: seen.append(a[0].reshape(-1, a[0].shape[-1]))) for m
-             in layers]  # fmt: skip
+    hooks = [
+        m.router.register_forward_hook(lambda mod, a, o: seen.append(a[0].reshape(-1, a[0].shape[-1]))) for m in layers
+    ]
     ids = torch.randint(1, 64, (2, 12), generator=gen)
     labels = ids.clone()
     labels[:, :5] = -100  # the prompt: not a loss token, not observed

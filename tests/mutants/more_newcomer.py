@@ -28,7 +28,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="dry_run_checks_the_configuration_alone",
         story="rpb train --dry-run loads the configuration and says 'configuration OK' on a data file with 4 bad rows",
-        path="cli.py",
+        path="cli/training.py",
         function="_train",
         pattern=r"print\(dry_run\(args\.config, args\.overrides\)\.summary\(\)\)",
         replacement='print(__import__("rpb.config", fromlist=["load_config"]).load_config(args.config, '
@@ -76,7 +76,7 @@ MUTANTS: tuple[Mutant, ...] = (
         story="rpb train counts the rows it cut but rpb_run.json does not record them",
         path="train.py",
         function="attach_anchor",
-        pattern=r', "truncated_rows": data\.truncated_rows',
+        pattern=r'\n\s*"truncated_rows": data\.truncated_rows,',
         replacement="",
         tests=(TRAIN_COUNT,),
     ),

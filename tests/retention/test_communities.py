@@ -141,6 +141,23 @@ def test_louvain_refuses_an_asymmetric_matrix():
         louvain(torch.tensor([[0.0, 1.0], [0.0, 0.0]]), seed=0)
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_directed_louvain_finds_two_one_way_cycles_under_directed_modularity(seed):
+    """0 -> 1 -> 2 -> 0 and 3 -> 4 -> 5 -> 3 (weight 1), joined by 2 -> 3 (weight 0.1): nothing symmetrised,
+    so the directed graph refuses no asymmetry, and Q is the directed one, by hand:
+    sum over communities of internal / m - out_c * in_c / m**2 with m = 6.1."""
+    weights_EE = torch.zeros(6, 6, dtype=torch.float64)
+    for i, j in [(0, 1), (1, 2), (2, 0), (3, 4), (4, 5), (5, 3)]:
+        weights_EE[i, j] = 1.0
+    weights_EE[2, 3] = 0.1
+    labels_E, q = louvain(weights_EE, seed=seed, directed=True)
+    assert labels_E.tolist() == [0, 0, 0, 1, 1, 1]
+    m = 6.1
+    assert q == pytest.approx(3 / m - 3.1 * 3 / m**2 + 3 / m - 3 * 3.1 / m**2, abs=1e-12)
+    with pytest.raises(ValueError, match="symmetric"):
+        louvain(weights_EE, seed=seed)  # the co-activation graph of eq. 1 must be symmetric
+
+
 def test_nmi_identical_and_renamed_labelings_score_one():
     labels = torch.tensor([0, 0, 1, 1, 2])
     assert nmi(labels, labels) == pytest.approx(1.0)

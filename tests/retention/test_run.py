@@ -73,13 +73,45 @@ def data(tmp_path_factory):
 
 def test_end_to_end_two_tiny_models(save_tiny, data, tmp_path, capsys):
     same = tmp_path / "same"
-    assert main(["retention", "--base", str(save_tiny("moonlight")), "--post", str(save_tiny("moonlight")),
-                 "--data-jsonl", str(data), "--out", str(same), "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "retention",
+                "--base",
+                str(save_tiny("moonlight")),
+                "--post",
+                str(save_tiny("moonlight")),
+                "--data-jsonl",
+                str(data),
+                "--out",
+                str(same),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     r = json.loads((same / "report.json").read_text())
     assert r["mean"]["tvd"] == 0 and r["mean"]["topk_overlap"] == 1 and r["mean"]["nmi"] == pytest.approx(1)
     other = tmp_path / "other"
-    assert main(["retention", "--base", str(save_tiny("moonlight")), "--post", str(save_tiny("moonlight", seed=1)),
-                 "--data-jsonl", str(data), "--out", str(other), "--max-rows", "10", "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "retention",
+                "--base",
+                str(save_tiny("moonlight")),
+                "--post",
+                str(save_tiny("moonlight", seed=1)),
+                "--data-jsonl",
+                str(data),
+                "--out",
+                str(other),
+                "--max-rows",
+                "10",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     r = json.loads((other / "report.json").read_text())
     assert r["rows"] == 10 and 0 < r["mean"]["tvd"] <= 1 and r["mean"]["topk_overlap"] < 1
     assert r["tokens"]["Q"] + r["tokens"]["A"] < r["tokens"]["all"]
@@ -93,16 +125,41 @@ def test_end_to_end_two_tiny_models(save_tiny, data, tmp_path, capsys):
 
 
 def test_single_model_description(save_tiny, data, tmp_path):
-    assert main(["retention", "--base", str(save_tiny("qwen3_moe")), "--data-jsonl", str(data),
-                 "--out", str(tmp_path), "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "retention",
+                "--base",
+                str(save_tiny("qwen3_moe")),
+                "--data-jsonl",
+                str(data),
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     r = json.loads((tmp_path / "report.json").read_text())
     assert r["post"] is None and "tvd" not in r["layers"][0]
     assert 0 < r["mean"]["entropy_base_bits"] <= 3  # log2(8 experts) = 3
 
 
 def test_models_that_route_differently_are_refused(save_tiny, data, tmp_path, capsys):
-    code = main(["retention", "--base", str(save_tiny("moonlight")), "--post", str(save_tiny("mixtral")),
-                 "--data-jsonl", str(data), "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    code = main(
+        [
+            "retention",
+            "--base",
+            str(save_tiny("moonlight")),
+            "--post",
+            str(save_tiny("mixtral")),
+            "--data-jsonl",
+            str(data),
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "moe_layers: base [1, 2], post [0, 1, 2]" in err
@@ -110,8 +167,21 @@ def test_models_that_route_differently_are_refused(save_tiny, data, tmp_path, ca
 
 def test_bad_rows_are_reported_before_compute(save_tiny, tmp_path, capsys):
     bad = write_rows(tmp_path / "bad.jsonl", ["{", ""])
-    assert main(["retention", "--base", str(save_tiny("moonlight")), "--data-jsonl", str(bad),
-                 "--out", str(tmp_path / "o"), "--no-progress"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "retention",
+                "--base",
+                str(save_tiny("moonlight")),
+                "--data-jsonl",
+                str(bad),
+                "--out",
+                str(tmp_path / "o"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "2 bad row(s)" in capsys.readouterr().err
 
 
@@ -143,8 +213,10 @@ def test_transitions_end_to_end(save_tiny, data, tmp_path):
     same, other = tmp_path / "same", tmp_path / "other"
     common = ["--data-jsonl", str(data), "--max-rows", "12", "--transitions", "--no-progress"]
     assert main(["retention", "--base", base, "--post", base, "--out", str(same), *common]) == 0
-    assert main(["retention", "--base", base, "--post", str(save_tiny("moonlight", seed=1)), "--out", str(other),
-                 *common]) == 0  # fmt: skip
+    assert (
+        main(["retention", "--base", base, "--post", str(save_tiny("moonlight", seed=1)), "--out", str(other), *common])
+        == 0
+    )
     r_same, r_other = (json.loads((d / "report.json").read_text()) for d in (same, other))
     m = r_same["mean"]
     assert m["transition_nmi"] == pytest.approx(1) and m["transition_tvd"] == 0 and m["transition_row_jsd"] == 0
@@ -159,14 +231,37 @@ def test_transitions_end_to_end(save_tiny, data, tmp_path):
 
 def test_step_transitions_end_to_end(save_tiny, tmp_path):
     """--steps-by: step_ figures beside the token-level ones, on answers of several lines."""
-    rows = [{"messages": [{"role": "user", "content": f"sum {i}"},
-                          {"role": "assistant", "content": "\n".join(f"{j} + {i} = {i + j}" for j in range(6))}]}
-            for i in range(10)]  # fmt: skip
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"sum {i}"},
+                {"role": "assistant", "content": "\n".join(f"{j} + {i} = {i + j}" for j in range(6))},
+            ]
+        }
+        for i in range(10)
+    ]
     data = write_rows(tmp_path / "traces.jsonl", rows)
     base = str(save_tiny("moonlight"))
     out = tmp_path / "steps"
-    assert main(["retention", "--base", base, "--post", str(save_tiny("moonlight", seed=1)), "--data-jsonl", str(data),
-                 "--out", str(out), "--steps-by", r"\n", "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "retention",
+                "--base",
+                base,
+                "--post",
+                str(save_tiny("moonlight", seed=1)),
+                "--data-jsonl",
+                str(data),
+                "--out",
+                str(out),
+                "--steps-by",
+                r"\n",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     r = json.loads((out / "report.json").read_text())
     assert r["steps_by"] == r"\n" and "transition_nmi" in r["mean"] and r["mean"]["step_transition_tvd"] > 0
     assert 0 <= r["mean"]["step_transition_nmi"] <= 1 and r["layers"][0]["step_transition_communities_base"] >= 1

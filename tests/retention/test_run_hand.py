@@ -94,11 +94,15 @@ def hand_report(tok) -> dict:
             if name == "all":
                 lab_b, mod_b = partition(base, BASE_PAIRS)
                 lab_p, mod_p = partition(post, POST_PAIRS_0 if pos == 0 else BASE_PAIRS)
-                row |= {"entropy_base_bits": -sum(u * math.log2(u) for u in p_E if u > 0),
-                        "entropy_post_bits": -sum(u * math.log2(u) for u in q_E if u > 0),
-                        "communities_base": len(set(lab_b)), "communities_post": len(set(lab_p)),
-                        "modularity_base": mod_b, "modularity_post": mod_p,
-                        "nmi": normalized_mutual_info_score(lab_b, lab_p)}  # fmt: skip
+                row |= {
+                    "entropy_base_bits": -sum(u * math.log2(u) for u in p_E if u > 0),
+                    "entropy_post_bits": -sum(u * math.log2(u) for u in q_E if u > 0),
+                    "communities_base": len(set(lab_b)),
+                    "communities_post": len(set(lab_p)),
+                    "modularity_base": mod_b,
+                    "modularity_post": mod_p,
+                    "nmi": normalized_mutual_info_score(lab_b, lab_p),
+                }
         layers.append(row)
     mean = {k: sum(r[k] for r in layers) / len(layers) for k in layers[0] if k != "layer"}
     return {"layers": layers, "mean": mean, "tokens": {name: len(ids) for name, ids in tokens.items()}}
@@ -134,15 +138,19 @@ def test_retention_figures_equal_the_hand_tables(fixed, expected, tmp_path):
 
 def test_mutant_question_span_counts_every_token_is_caught(fixed, expected, tmp_path, monkeypatch):
     """The bug: the Q subset forgets the span label, so every non-padding token counts as a question token."""
-    monkeypatch.setattr(rpb.retention.stats, "subset_masks", lambda valid_T, span_T: [
-        valid_T, valid_T, valid_T & (span_T == SPAN_A)])  # fmt: skip
+    monkeypatch.setattr(
+        rpb.retention.stats, "subset_masks", lambda valid_T, span_T: [valid_T, valid_T, valid_T & (span_T == SPAN_A)]
+    )
     with pytest.raises(AssertionError, match=r"layer \d (tvd|jsd|topk_overlap)_q differs"):
         check_retention_matches_hand(fixed, expected, tmp_path)
 
 
 def test_mutant_padding_counts_is_caught(fixed, expected, tmp_path, monkeypatch):
     """The bug: the attention mask is ignored, so the padding of shorter rows counts among all tokens."""
-    monkeypatch.setattr(rpb.retention.stats, "subset_masks", lambda valid_T, span_T: [
-        torch.ones_like(valid_T), valid_T & (span_T == SPAN_Q), valid_T & (span_T == SPAN_A)])  # fmt: skip
+    monkeypatch.setattr(
+        rpb.retention.stats,
+        "subset_masks",
+        lambda valid_T, span_T: [torch.ones_like(valid_T), valid_T & (span_T == SPAN_Q), valid_T & (span_T == SPAN_A)],
+    )
     with pytest.raises(AssertionError, match=r"layer \d (tvd|jsd|topk_overlap) differs"):
         check_retention_matches_hand(fixed, expected, tmp_path)

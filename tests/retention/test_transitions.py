@@ -7,11 +7,9 @@ import pytest
 import torch
 
 from rpb.prior import SPAN_A, SPAN_Q, STRUCTURAL
-from rpb.retention.communities import coactivation_counts, coactivation_graph, louvain
+from rpb.retention.communities import coactivation_counts, coactivation_graph, directed_graph, louvain
 from rpb.retention.transitions import (
     TransitionAccumulator,
-    directed_graph,
-    directed_louvain,
     self_share,
     transition_counts,
     transition_row_jsd,
@@ -59,7 +57,7 @@ def test_sequential_structure_is_found_by_transitions_and_missed_by_coactivation
     ids, valid, span = _synthetic()
     acc = TransitionAccumulator(1, 8)
     acc.add(0, ids, valid, span)
-    labels, q = directed_louvain(acc.graph(0), seed=0)
+    labels, q = louvain(acc.graph(0), seed=0, directed=True)
     partition = {frozenset(torch.nonzero(labels == c).flatten().tolist()) for c in labels.unique().tolist()}
     assert partition == {frozenset({0, 1, 2, 3}), frozenset({4, 5, 6, 7})} and q > 0
     static, _ = louvain(

@@ -27,9 +27,17 @@ def test_training_pool_is_balanced_and_deterministic():
 
 
 def test_miniature_recipe_trains_saves_and_reports(tmp_path):
-    recipe = BaseRecipe(hidden_size=32, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
-                        moe_intermediate_size=16, intermediate_size=64, batch_size=8, max_steps=6,
-                        pool=64)  # fmt: skip
+    recipe = BaseRecipe(
+        hidden_size=32,
+        num_hidden_layers=2,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        intermediate_size=64,
+        batch_size=8,
+        max_steps=6,
+        pool=64,
+    )
     record = pretrain(recipe, tmp_path, progress=False, eval_per_domain=4)
     again = pretrain(recipe, tmp_path / "again", progress=False, eval_per_domain=4)
     assert again["final_loss"] == record["final_loss"]  # step-based schedule: deterministic
@@ -126,11 +134,21 @@ def test_fast_and_reference_paths_give_the_same_pretraining_loss(two_paths):
 def test_pretraining_takes_the_same_first_step_on_both_paths(tmp_path):
     from dataclasses import replace
 
-    recipe = BaseRecipe(hidden_size=32, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
-                        moe_intermediate_size=16, intermediate_size=64, batch_size=16, max_steps=1,
-                        pool=64)  # fmt: skip
-    first = {k: pretrain(replace(recipe, kernels=k), tmp_path / k, progress=False, eval_per_domain=1)["final_loss"]
-             for k in ("reference", "fast")}  # fmt: skip
+    recipe = BaseRecipe(
+        hidden_size=32,
+        num_hidden_layers=2,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        intermediate_size=64,
+        batch_size=16,
+        max_steps=1,
+        pool=64,
+    )
+    first = {
+        k: pretrain(replace(recipe, kernels=k), tmp_path / k, progress=False, eval_per_domain=1)["final_loss"]
+        for k in ("reference", "fast")
+    }
     assert abs(first["fast"] - first["reference"]) < 1e-5
 
 

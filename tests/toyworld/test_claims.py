@@ -14,9 +14,11 @@ def test_claims_on_a_headline_like_grid():
     for base in (0, 1, 2):
         for seed in (42, 43, 44):
             jitter = 0.001 * (base + seed % 3)
-            results += [cell("sft", base, seed, 0.40 + jitter, 0.30, 0.30),
-                        cell("lbl", base, seed, 0.30 + jitter, 0.25, 0.31),
-                        cell("rpb", base, seed, 0.50 + jitter, 0.30 + jitter, 0.40)]  # fmt: skip
+            results += [
+                cell("sft", base, seed, 0.40 + jitter, 0.30, 0.30),
+                cell("lbl", base, seed, 0.30 + jitter, 0.25, 0.31),
+                cell("rpb", base, seed, 0.50 + jitter, 0.30 + jitter, 0.40),
+            ]
     verdicts = {v.claim: v for v in judge(results, ("s",))}
     assert verdicts["RPB > SFT (s, ID)"].verdict == "reproduces"
     assert abs(verdicts["RPB > SFT (s, ID)"].estimate - 10.0) < 1e-9

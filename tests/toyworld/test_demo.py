@@ -8,7 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
-from rpb.toyworld.experiment import GRIDS, Study
+from rpb.toyworld.experiment import Study
+from rpb.toyworld.grids import GRIDS
 from rpb.toyworld.world import PostRecipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,8 +21,12 @@ def test_the_readme_demo_table_is_the_report_of_the_shipped_cells(tmp_path):
     shutil.copytree(SHIPPED, out)
     grid = GRIDS["demo"]
     study = Study(out, grid, grid.post or PostRecipe(), tmp_path / "cache", progress=False)
-    results = [json.loads((out / "runs" / s / a.slug / f"seed{seed}" / "result.json").read_text())
-               for s in grid.sets for a in grid.arms for seed in grid.seeds]  # fmt: skip
+    results = [
+        json.loads((out / "runs" / s / a.slug / f"seed{seed}" / "result.json").read_text())
+        for s in grid.sets
+        for a in grid.arms
+        for seed in grid.seeds
+    ]
     assert len(results) == 4 and {r["arm"] for r in results} == {a.label for a in grid.arms}
     tables = study.report(results)
     assert (out / "tables.md").read_text() == (SHIPPED / "tables.md").read_text()

@@ -14,9 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from rpb.anchors import AnchorConfig
 from rpb.anchors.methods import get_method
-from rpb.toyworld.experiment import GRIDS, Arm, GridChangedError, Study
+from rpb.toyworld.experiment import GridChangedError, Study
+from rpb.toyworld.generators import POST_SETS
+from rpb.toyworld.grids import GRIDS, Arm
 from rpb.toyworld.tables import table
-from rpb.toyworld.tasks import DOMAINS, POST_SETS, sample, split_of
+from rpb.toyworld.tasks import DOMAINS, sample, split_of
 from rpb.toyworld.world import PostRecipe, eval_tasks, part_of, probe_tasks
 from tests.toyworld_mini import MINI_GRID, MINI_POST, kill_after_first_cell, mini_study
 
@@ -171,11 +173,22 @@ def test_evaluation_parts_are_disjoint_held_out_and_fixed():
 
 def test_tables_show_mean_and_sample_std_over_seeds():
     def result(arm, seed, id_, ood, tvd):
-        return {"set": "math_post", "arm": arm, "method": arm, "seed": seed, "id": id_, "ood": ood,
-                "retention": {"tvd": tvd, "topk_overlap": 0.5, "nmi": 1.0, "jsd": 0.1}}  # fmt: skip
+        return {
+            "set": "math_post",
+            "arm": arm,
+            "method": arm,
+            "seed": seed,
+            "id": id_,
+            "ood": ood,
+            "retention": {"tvd": tvd, "topk_overlap": 0.5, "nmi": 1.0, "jsd": 0.1},
+        }
 
-    results = [result("sft", 1, 0.5, 0.2, 0.3), result("sft", 2, 0.7, 0.4, 0.5), result("rpb", 1, 0.9, 0.8, 0.1),
-               result("rpb-hard", 1, 0.1, 0.1, 0.1)]  # fmt: skip
+    results = [
+        result("sft", 1, 0.5, 0.2, 0.3),
+        result("sft", 2, 0.7, 0.4, 0.5),
+        result("rpb", 1, 0.9, 0.8, 0.1),
+        result("rpb-hard", 1, 0.1, 0.1, 0.1),
+    ]
     text = table("forms", results, ("math_post",), ("sft", "rpb", "rpb-hard"))
     rows = [line for line in text.splitlines() if line.startswith("| ") and "method" not in line]
     # grid order, and only the methods the methods table lists among the forms (not rpb-hard);
@@ -292,7 +305,8 @@ def check_grids_match_docs() -> None:
         code_runs = _selection_runs(grid)
         assert code_runs == doc["selection runs"], name
     # the full grid's 11 methods are the rows of the earlier full grid's main results table
-    main_rows = [row[0] for row in _table(_section(text, "### Main results")) if not row[0].startswith("*")]
+    archive = (DOCS.parent / "results" / "archive" / "one-base.md").read_text()
+    main_rows = [row[0] for row in _table(_section(archive, "## Main results")) if not row[0].startswith("*")]
     assert [a.label for a in GRIDS["full"].arms] == main_rows
     # the three-base grids' study recipe: 500 ID / 300 OOD test questions, the validation part scored too
     recipe = re.search(r"(\d+) held-out test questions per post-training set \(ID\),\s+(\d+) per pretraining", text)
@@ -305,7 +319,6 @@ def check_grids_match_docs() -> None:
     # the demo: sft, lbl at a fixed weight, rpb and the calibrated arm, one seed on the math set, 100 questions
     demo_text, demo = _section(text, "## The demo"), GRIDS["demo"]
     rows = [row[0] for row in _table(demo_text) if not row[0].startswith("*")]
-    assert "That table predates the calibrated arm" in demo_text
     assert [_arm_key(a) for a in demo.arms] == [(m, default_beta) for m in rows] + [("rpb", "calibrated")]
     lbl = float(re.search(r"`lbl` \(weight ([\d.]+), the pretraining's; fixed", demo_text).group(1))
     assert demo.coefficients == {"lbl": lbl}

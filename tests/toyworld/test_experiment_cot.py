@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rpb.toyworld.experiment import COT_POST, GRIDS, PAPER_METHODS, TRANSITION_KEYS
+from rpb.toyworld.grids import COT_POST, GRIDS, PAPER_METHODS, TRANSITION_KEYS
 from rpb.toyworld.tasks import DOMAINS, TRACE_SETS
 from rpb.toyworld.world import eval_tasks
 from tests.toyworld_mini import kill_after_first_cell, mini_study
@@ -26,8 +26,15 @@ def finished(tmp_path_factory):
 def test_the_cot_grid_is_what_the_issue_asks():
     cot = GRIDS["cot"]
     assert cot.sets == TRACE_SETS == ("sum_trace",) and cot.bases == (0,) and cot.seeds == (42, 43, 44)
-    assert [a.method for a in cot.arms] == ["sft", "lbl", "rpb", "within-soft", "within-hard",
-                                            "within-transition-soft", "within-transition-hard"]  # fmt: skip
+    assert [a.method for a in cot.arms] == [
+        "sft",
+        "lbl",
+        "rpb",
+        "within-soft",
+        "within-hard",
+        "within-transition-soft",
+        "within-transition-hard",
+    ]
     assert not {"within-transition-soft", "within-transition-hard"} & set(PAPER_METHODS)  # rpb's own controls
     assert cot.post is COT_POST and COT_POST.max_seq_len == 128 and COT_POST.score_parts == ("validation", "test")
     assert "cot" in cot.tables
@@ -51,8 +58,10 @@ def test_cells_score_traces_and_measure_both_retention_levels_on_traces(finished
         # line steps: one answer of n lines has n steps, so every row gives the step level something to count
         assert report["mean"]["step_transition_communities_base"] >= 1
     header = next(line for line in tables.splitlines() if line.startswith("| method |"))
-    assert header == ("| method | ID % | ID lines % | OOD % | TVD | NMI | transition TVD | transition row JSD | "
-                      "transition NMI | step NMI |")  # fmt: skip
+    assert header == (
+        "| method | ID % | ID lines % | OOD % | TVD | NMI | transition TVD | transition row JSD | "
+        "transition NMI | step NMI |"
+    )
     sft = next(line for line in tables.splitlines() if line.startswith("| sft |"))
     r = next(r for r in _results(out) if r["arm"] == "sft")
     assert sft.startswith(f"| sft | {100 * r['id']:.1f} | {100 * r['id_lines']:.1f} | {100 * r['ood']:.1f} | ")

@@ -40,8 +40,12 @@ def test_jobs_run_side_by_side_after_what_they_wait_for(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # what a lane would keep (the cores, at most 2) without its share
     here = str(tmp_path)
     # c waits for a, listed before b: with waits ignored it would take the second lane before b
-    jobs = [Job(stamp, (here, "a", 1.0)), Job(stamp, (here, "c", 0.0), after=(0,)), Job(stamp, (here, "b", 1.0)),
-            Job(stamp, (here, "d", 0.0), after=(1, 2))]  # fmt: skip
+    jobs = [
+        Job(stamp, (here, "a", 1.0)),
+        Job(stamp, (here, "c", 0.0), after=(0,)),
+        Job(stamp, (here, "b", 1.0)),
+        Job(stamp, (here, "d", 0.0), after=(1, 2)),
+    ]
     counted = []
     assert run_jobs(jobs, lanes=2, on_done=lambda job: counted.append(job.args[1])) == ["a", "c", "b", "d"]
     t = {n: json.loads((tmp_path / n).read_text()) for n in "abcd"}
@@ -53,8 +57,11 @@ def test_jobs_run_side_by_side_after_what_they_wait_for(tmp_path, monkeypatch):
 
 
 def test_failures_are_reported_together_and_nothing_new_starts(tmp_path):
-    jobs = [Job(fail, ("first",), label="one"), Job(fail, ("second",), label="two"),
-            Job(stamp, (str(tmp_path), "later", 0.0), label="later")]  # fmt: skip
+    jobs = [
+        Job(fail, ("first",), label="one"),
+        Job(fail, ("second",), label="two"),
+        Job(stamp, (str(tmp_path), "later", 0.0), label="later"),
+    ]
     with pytest.raises(JobsFailedError) as caught:
         run_jobs(jobs, lanes=2)
     message = str(caught.value)

@@ -6,8 +6,16 @@ METRICS = ("id", "nmi", "transition_nmi")
 
 
 def _cell(arm: str, seed: int, id_: float, nmi: float, transition_nmi: float) -> dict:
-    return {"set": "sum_trace", "arm": arm, "seed": seed, "base": 0, "id": id_, "id_lines": 0.5, "ood": 0.0,
-            "retention": {"nmi": nmi, "transition_nmi": transition_nmi}}  # fmt: skip
+    return {
+        "set": "sum_trace",
+        "arm": arm,
+        "seed": seed,
+        "base": 0,
+        "id": id_,
+        "id_lines": 0.5,
+        "ood": 0.0,
+        "retention": {"nmi": nmi, "transition_nmi": transition_nmi},
+    }
 
 
 def _rows(table: str) -> dict[str, list[str]]:
@@ -28,15 +36,30 @@ def test_paired_table_against_hand_computed_differences():
     rows = _rows(paired_table(results, "sum_trace", pairs=pairs, metrics=METRICS))
     assert set(rows) == {"lbl − sft", "rpb − sft", "within-soft − rpb"}  # a pair whose arm did not run has no row
     # one pair: its difference, no interval and no verdict
-    assert rows["within-soft − rpb"] == ["-5.0 (one pair)", "+0.000 (one pair)", "+0.000 (one pair)", "one pair",
-                                         "one pair"]  # fmt: skip
+    assert rows["within-soft − rpb"] == [
+        "-5.0 (one pair)",
+        "+0.000 (one pair)",
+        "+0.000 (one pair)",
+        "one pair",
+        "one pair",
+    ]
     # rpb: constant differences give a zero-width interval; the 90% one lies inside +/-2 points: equivalent
-    assert rows["rpb − sft"] == ["+1.0 [+1.0, +1.0]", "+0.100 [+0.100, +0.100]", "-0.050 [-0.050, -0.050]",
-                                 "opposite (static up, transition down)", "yes"]  # fmt: skip
+    assert rows["rpb − sft"] == [
+        "+1.0 [+1.0, +1.0]",
+        "+0.100 [+0.100, +0.100]",
+        "-0.050 [-0.050, -0.050]",
+        "opposite (static up, transition down)",
+        "yes",
+    ]
     # lbl: 27 equally likely resamples of (10, 20, 30); a mean of 10 has probability 1/27 > 2.5%, so the
     # 95% interval is [10, 30], wholly above +2: not equivalent
-    assert rows["lbl − sft"] == ["+20.0 [+10.0, +30.0]", "+0.000 [+0.000, +0.000]", "-0.100 [-0.100, -0.100]",
-                                 "only transition (down)", "no"]  # fmt: skip
+    assert rows["lbl − sft"] == [
+        "+20.0 [+10.0, +30.0]",
+        "+0.000 [+0.000, +0.000]",
+        "-0.100 [-0.100, -0.100]",
+        "only transition (down)",
+        "no",
+    ]
 
 
 def test_the_machine_mix_counts_cells_by_machine_and_threads():

@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 
+from rpb.toyworld.generators import POST_SETS
 from rpb.toyworld.knowledge import FACT_ATTRIBUTES, knowledge_base
 from rpb.toyworld.tasks import (
     DOMAINS,
-    POST_SETS,
     TRACE_SETS,
     Task,
     answer_budget,
@@ -102,8 +102,15 @@ def _trace(q: str) -> str:
     return "\n".join(lines)
 
 
-SOLVERS = {"math": _arith, "math_post": _arith, "code": _code, "code_post": _code, "text": _text, "facts": _fact,
-           "sum_trace": _trace}  # fmt: skip
+SOLVERS = {
+    "math": _arith,
+    "math_post": _arith,
+    "code": _code,
+    "code_post": _code,
+    "text": _text,
+    "facts": _fact,
+    "sum_trace": _trace,
+}
 
 
 def _questions(tasks):
@@ -270,7 +277,7 @@ def test_is_correct_ignores_surrounding_whitespace_only():
 def test_traces_are_five_to_seven_lines_and_fit_their_budgets():
     from rpb.testing.tokenizers import moonlight_tokenizer
     from rpb.toyworld.base import encode_tasks
-    from rpb.toyworld.experiment import COT_POST
+    from rpb.toyworld.grids import COT_POST
 
     tasks = sample("sum_trace", 2000, seed=7)
     assert {len(t.answer.split("\n")) for t in tasks} == {5, 6, 7}

@@ -15,8 +15,17 @@ from rpb.toyworld import world
 from rpb.toyworld.base import BaseRecipe, pretrain
 from rpb.toyworld.world import BaseMismatchError, ensure_base, shipped_base
 
-TINY = BaseRecipe(hidden_size=32, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
-                  moe_intermediate_size=16, intermediate_size=64, batch_size=8, max_steps=2, pool=64)  # fmt: skip
+TINY = BaseRecipe(
+    hidden_size=32,
+    num_hidden_layers=2,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    intermediate_size=64,
+    batch_size=8,
+    max_steps=2,
+    pool=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +33,12 @@ def shipped_root(tmp_path_factory) -> Path:
     """A bases folder as the repository ships it: base0/ pretrained elsewhere, pinned in bases.json."""
     root = tmp_path_factory.mktemp("bases")
     pretrain(TINY, root / "base0", progress=False, eval_per_domain=1)
-    pin = {"recipe": asdict(TINY), "weights_sha256": file_sha256(root / "base0" / "model.safetensors"),
-           "machine": "elsewhere", "threads": 1}  # fmt: skip
+    pin = {
+        "recipe": asdict(TINY),
+        "weights_sha256": file_sha256(root / "base0" / "model.safetensors"),
+        "machine": "elsewhere",
+        "threads": 1,
+    }
     (root / "bases.json").write_text(json.dumps({"base0": pin}))
     return root
 

@@ -196,8 +196,10 @@ def unimplemented_routing(config, facts: RouterFacts) -> list[str]:
         value = getattr(text, native.key, None)
         if value is not None and value not in native.implemented:
             allowed = " or ".join(repr(v) for v in native.implemented)
-            out.append(f"{native.key}={value!r}: transformers' {facts.model_type} class ignores it and "
-                       f"{native.behaviour} ({allowed})")  # fmt: skip
+            out.append(
+                f"{native.key}={value!r}: transformers' {facts.model_type} class ignores it and "
+                f"{native.behaviour} ({allowed})"
+            )
     return out
 
 

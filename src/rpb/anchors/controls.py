@@ -19,9 +19,9 @@ import torch
 
 from rpb.adapters import MoELayer
 from rpb.data import Example, collate
+from rpb.observe.trace import RouterTap, route_batch, trace_topk
 from rpb.retention.communities import CoactivationAccumulator, louvain
-from rpb.retention.trace import RouterTap, route_batch, trace_topk
-from rpb.retention.transitions import TransitionAccumulator, directed_louvain
+from rpb.retention.transitions import TransitionAccumulator
 
 #: "within-transition" permutes inside the base's transition communities, exactly as "within" does
 #: inside its co-activation communities
@@ -93,7 +93,7 @@ def base_transition_communities(
                 tokens += int(b["attention_mask"].sum())
     finally:
         model.train(was_training)
-    found = [directed_louvain(acc.graph(pos), seed=seed, resolution=resolution) for pos in range(len(layers))]
+    found = [louvain(acc.graph(pos), seed=seed, resolution=resolution, directed=True) for pos in range(len(layers))]
     return BaseCommunities(torch.stack([lab for lab, _ in found]), [q for _, q in found], tokens)
 
 

@@ -1,6 +1,6 @@
 """Installing an anchor into a Hugging Face MoE model, reversibly.
 
-Every router gets one forward hook. In train mode the hook may replace the router's
+Every router gets one forward hook (``rpb.observe``). In train mode the hook may replace the router's
 ``(logits, gates, topk_ids)`` output with a biased or forced selection (gates always from
 the unbiased logits) and records the anchor's loss term for the layer; in eval mode, or
 with no step context set, it returns the native output untouched. Hooks leave module
@@ -31,7 +31,6 @@ from rpb.adapters import (
     UnsupportedModelError,
     find_moe_layers,
     get_adapter,
-    router_output,
     router_spec,
 )
 from rpb.adapters.hf import expert_bias_of
@@ -42,6 +41,7 @@ from rpb.anchors.prior_routing import PriorRouting
 from rpb.anchors.stats import LayerStats
 from rpb.anchors.transform import family_transform
 from rpb.errors import ArgumentError
+from rpb.observe.hooks import Hooks, RouterCall, on_router_calls
 from rpb.routing import RouterSpec, combine_weights, select_with_groups
 
 
@@ -74,7 +74,7 @@ class AnchorHandle:
     _context: TokenContext | None = None
     _terms: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
-    _hooks: list = field(default_factory=list)
+    _hooks: Hooks = field(default_factory=Hooks)
     _restore: list = field(default_factory=list)
     #: callables ``tap(pos, hidden, logits_TE, native_ids_TK)`` the hook hands each training-mode router call
     #: (recomputations aside): observers such as ``rpb.monitor`` read the routers through the anchor's taps
@@ -126,47 +126,44 @@ class AnchorHandle:
         return self.layers[0].moe.router.weight.device
 
     # ---- the hook ------------------------------------------------------------------
-    def _hook(self, pos: int):
+    def _hook(self, call: RouterCall):
+        """One router call (``rpb.observe``): None keeps the native output, a triple replaces it."""
+        pos, module, hidden = call.pos, call.module, call.hidden
         layer = self.layers[pos]
-
         idle = self.prior is None and self.method.loss is None
-
-        def hook(module, args, output):
-            ctx = self._context
-            if not (module.training or self._in_eval) or ctx is None or (idle and not (self.record_stats or self.taps)):
-                return None
-            logits_TE, native_gates_TK, native_ids_TK = router_output(layer.moe, output)
-            if native_ids_TK is None:
-                raise UnsupportedModelError(f"router {layer.moe.name} returns no expert selection to anchor")
-            if logits_TE.shape[0] != ctx.num_tokens:
-                raise RuntimeError(
-                    f"router {layer.moe.name} saw {logits_TE.shape[0]} tokens but the step context holds "
-                    f"{ctx.num_tokens}; pass the batch's own sample index and span tensors"
-                )
-            # a forward recomputed during backward (checkpointing) routes alike but records nothing twice
-            first_call = ("recorded", pos) not in ctx.cache
-            ctx.cache[("recorded", pos)] = True
+        ctx = self._context
+        if not (module.training or self._in_eval) or ctx is None or (idle and not (self.record_stats or self.taps)):
+            return None
+        logits_TE, native_gates_TK, native_ids_TK = call.read()
+        if native_ids_TK is None:
+            raise UnsupportedModelError(f"router {layer.moe.name} returns no expert selection to anchor")
+        if logits_TE.shape[0] != ctx.num_tokens:
+            raise RuntimeError(
+                f"router {layer.moe.name} saw {logits_TE.shape[0]} tokens but the step context holds "
+                f"{ctx.num_tokens}; pass the batch's own sample index and span tensors"
+            )
+        # a forward recomputed during backward (checkpointing) routes alike but records nothing twice
+        first_call = ("recorded", pos) not in ctx.cache
+        ctx.cache[("recorded", pos)] = True
+        if first_call:
+            for tap in self.taps:
+                tap(pos, hidden, logits_TE, native_ids_TK)
+        valid_T = ctx.valid_T.to(logits_TE.device)
+        term = None
+        if self.method.loss is not None:
+            # computed on every call, so a recomputed forward saves exactly what the first one did
+            # (non-reentrant checkpointing checks that); only the first call's term is kept
+            term = self._loss_term(layer, module, hidden, logits_TE, valid_T)
             if first_call:
-                for tap in self.taps:
-                    tap(pos, args[0], logits_TE, native_ids_TK)
-            valid_T = ctx.valid_T.to(logits_TE.device)
-            term = None
-            if self.method.loss is not None:
-                # computed on every call, so a recomputed forward saves exactly what the first one did
-                # (non-reentrant checkpointing checks that); only the first call's term is kept
-                term = self._loss_term(layer, module, args[0], logits_TE, valid_T)
-                if first_call:
-                    self._terms[pos] = term
-            gates_TK, ids_TK = native_gates_TK, native_ids_TK
-            if self.prior is not None:
-                gates_TK, ids_TK = self._prior_selection(pos, logits_TE, ctx, native_gates_TK, native_ids_TK)
-            if first_call and self.record_stats:
-                self._record(pos, ids_TK, native_ids_TK, valid_T, ctx.content_T.to(valid_T.device), term, args[0])
-            if self.prior is None:
-                return None
-            return logits_TE, gates_TK, ids_TK
-
-        return hook
+                self._terms[pos] = term
+        gates_TK, ids_TK = native_gates_TK, native_ids_TK
+        if self.prior is not None:
+            gates_TK, ids_TK = self._prior_selection(pos, logits_TE, ctx, native_gates_TK, native_ids_TK)
+        if first_call and self.record_stats:
+            self._record(pos, ids_TK, native_ids_TK, valid_T, ctx.content_T.to(valid_T.device), term, hidden)
+        if self.prior is None:
+            return None
+        return logits_TE, gates_TK, ids_TK
 
     def prior_choice(self, pos: int, logits_TE: torch.Tensor, ctx: TokenContext):
         """``(ids_TK, kept_TG)``: the experts the prior picks for every token of MoE layer ``pos`` -- soft:
@@ -241,14 +238,16 @@ class AnchorHandle:
         self.remove()
         prior = self.prior
         return install_anchor(
-            model, self.config, prior=prior.pi_NSLE if prior else None, sigma_LE=prior.sigma_LE if prior else None,
-            adapter=self.facts.model_type, record_stats=self.record_stats,
-        )  # fmt: skip
+            model,
+            self.config,
+            prior=prior.pi_NSLE if prior else None,
+            sigma_LE=prior.sigma_LE if prior else None,
+            adapter=self.facts.model_type,
+            record_stats=self.record_stats,
+        )
 
     def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._hooks.remove()
         for restore in reversed(self._restore):
             restore()
         self._restore = []
@@ -322,5 +321,5 @@ def install_anchor(
             w = layer.moe.router.weight
             handle._restore.append(lambda w=w, flag=w.requires_grad: w.requires_grad_(flag))
             w.requires_grad_(False)
-    handle._hooks = [lay.moe.router.register_forward_hook(handle._hook(i)) for i, lay in enumerate(layers)]
+    handle._hooks = on_router_calls([lay.moe for lay in layers], handle._hook, replaces=True)
     return handle

@@ -16,7 +16,7 @@
 | `within-transition-soft` | `rpb` on the prior shuffled within base transition communities (rpb's own) | prior |
 | `within-transition-hard` | `rpb-hard` on the prior shuffled within base transition communities (rpb's own) | prior |
 
-(``methods_table()`` renders this table from ``METHODS``; a test keeps it, and the README's, in step.)
+(``methods_table()`` renders this table from ``METHODS``; a test keeps it, and docs/methods.md's, in step.)
 
 Everything else derives from the entries: which methods need a prior, the base router, the
 base communities or a coefficient (``rpb train``'s checks, the Megatron path's refusals),
@@ -163,6 +163,8 @@ def register_method(method: Method, *, overwrite: bool = False) -> Method:
 
 
 _SHUFFLED = "on the prior shuffled"
+# the registry, kept as a table (fmt: skip below): one method per entry, its name, description and settings
+# side by side; the formatter would spread each over a line per argument and bury the names
 for _method in (
     Method("sft", "plain fine-tuning, native router, no auxiliary loss", tables=("forms",)),
     Method(
@@ -219,7 +221,7 @@ def get_method(name: str) -> Method:
 
 
 def methods_table() -> str:
-    """The methods table in Markdown, as this module's docstring and the README show it."""
+    """The methods table in Markdown, as this module's docstring and docs/methods.md show it."""
     lines = ["| `anchor.method` | what it does in training mode | needs |", "|---|---|---|"]
     lines += [f"| `{m.name}` | {m.summary} | {', '.join(m.needs)} |" for m in METHODS.values()]
     return "\n".join(lines)

@@ -98,8 +98,9 @@ def _figures(s: LayerStats, loss: bool, base: bool) -> dict[str, float]:
     return out
 
 
-def routing_metrics(stats: dict[int, LayerStats], layer_index: dict[int, int], *, loss: bool, base: bool,
-                    digits: int = 6) -> dict[str, float]:  # fmt: skip
+def routing_metrics(
+    stats: dict[int, LayerStats], layer_index: dict[int, int], *, loss: bool, base: bool, digits: int = 6
+) -> dict[str, float]:
     """``moe/layer_{i}/<figure>`` for every recorded layer and ``moe/mean/<figure>`` across them."""
     per = {pos: _figures(s, loss, base) for pos, s in sorted(stats.items()) if s.load_E is not None}
     out: dict[str, float] = {}

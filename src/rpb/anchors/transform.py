@@ -29,7 +29,9 @@ def run_transform(override: str | None, prior: str | None, score_function: str) 
             logger.warning(
                 "rpb: anchor.router_transform=%s overrides the prior's transform %s: kl-to-base and the routing "
                 "monitor read the routers as %s",
-                override, prior, override,
-            )  # fmt: skip
+                override,
+                prior,
+                override,
+            )
         return override
     return prior if prior is not None else family_transform(score_function)

@@ -73,9 +73,13 @@ def verify_prior(meta: dict, run: RunFacts, path: str = "prior") -> None:
     check("data_sha256", meta.get("data_sha256"), run.data_sha256)
     check("num_rows", meta.get("num_rows"), run.num_rows)
     model = model_mismatches(
-        meta, model=run.model, routers_sha256=run.routers_sha256, top_k=run.top_k, moe_layers=run.moe_layers,
+        meta,
+        model=run.model,
+        routers_sha256=run.routers_sha256,
+        top_k=run.top_k,
+        moe_layers=run.moe_layers,
         num_experts=run.num_experts,
-    )  # fmt: skip
+    )
     mismatches += [m for m in model if m[0] in ("model", "routers_sha256")]
     if meta.get("chat_template_sha256") != run.chat_template_sha256:
         mismatches.append(("tokenizer", meta.get("tokenizer"), run.tokenizer))

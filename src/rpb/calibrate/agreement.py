@@ -22,15 +22,21 @@ from rpb.collect.collector import plan_batches
 from rpb.collect.rows import index_rows, label_rows
 from rpb.data import ChatTemplate, collate
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
-from rpb.retention.trace import RouterTap, route_batch
+from rpb.observe.trace import RouterTap, route_batch
 
 DEFAULT_ROWS = 256
 
 
 def training_rows_agreement(
-    base: str | Path, post: str | Path, prior: str | Path, data_jsonl: str | Path, rows: int = DEFAULT_ROWS,
-    seed: int = 0, batch_size: int = 64, device: str = "cpu",
-) -> dict:  # fmt: skip
+    base: str | Path,
+    post: str | Path,
+    prior: str | Path,
+    data_jsonl: str | Path,
+    rows: int = DEFAULT_ROWS,
+    seed: int = 0,
+    batch_size: int = 64,
+    device: str = "cpu",
+) -> dict:
     """``{"overlap_base": [per layer], "overlap_prior": [per layer], "mean_overlap_base", "mean_overlap_prior",
     "rows", "seed"}`` for the post-trained model on a seeded sample of the prior's rows."""
     artifact = load_prior(prior)

@@ -74,5 +74,9 @@ def ratio_with_ci(
     def interval(t: torch.Tensor) -> torch.Tensor:
         return torch.stack([torch.nanquantile(t, 0.025, dim=0), torch.nanquantile(t, 0.975, dim=0)], dim=-1)
 
-    return {"layers": layers, "layers_ci": interval(boot_BQXL), "mean": layers.mean(dim=-1),
-            "mean_ci": interval(boot_BQXL.mean(dim=-1))}  # fmt: skip
+    return {
+        "layers": layers,
+        "layers_ci": interval(boot_BQXL),
+        "mean": layers.mean(dim=-1),
+        "mean_ci": interval(boot_BQXL.mean(dim=-1)),
+    }

@@ -15,13 +15,9 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from rpb.fileio import output_folder
-from rpb.retention.markdown import fmt
+from rpb.retention.markdown import fmt, table
 
 LABELLED_LAYERS = 25
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def _ci(value: float, ci: list[float], digits: int = 3) -> str:
@@ -71,19 +67,28 @@ def render_markdown(report: dict) -> str:
     betas = [f"{b:g}" for b in report["betas"]]
     rule = report["rule"]
     lines = [
-        "# Calibration: the prior bias on the frozen base", "",
+        "# Calibration: the prior bias on the frozen base",
+        "",
         f"- **model**: `{report['model']}`; **prior**: `{report['prior']}`; **data**: `{report['data']}`",
         f"- **rows**: {report['rows']} sampled (seed {report['seed']}); eps {report['eps']:g}, C {report['c']:g}; "
         f"top-{report['top_k']} of {report['num_experts']} experts, {len(report['moe_layers'])} MoE layers",
         f"- **recommended beta: {report['recommended_beta']:g}** (the largest candidate before the first whose "
         f"mean counterfactual displacement exceeds {rule['limit']:g}; `{rule['source']}`, "
         f"sha256 {rule['source_sha256'][:12]})",
-        "", "## By beta (means over MoE layers, content tokens; 95% bootstrap intervals over rows)", "",
-        *_table(*_beta_rows(report, betas)), "",
-        "## By layer (displaced content tokens; the prior's agreement and entropy)", "",
-        *_table(*_layer_rows(report, betas)), "", LEGEND, "",
-        "![displacement by layer and beta](calibrate.png)", "",
-    ]  # fmt: skip
+        "",
+        "## By beta (means over MoE layers, content tokens; 95% bootstrap intervals over rows)",
+        "",
+        *table(*_beta_rows(report, betas), numbers=False),
+        "",
+        "## By layer (displaced content tokens; the prior's agreement and entropy)",
+        "",
+        *table(*_layer_rows(report, betas), numbers=False),
+        "",
+        LEGEND,
+        "",
+        "![displacement by layer and beta](calibrate.png)",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -91,8 +96,10 @@ def plot_heatmap(report: dict, path: Path) -> Path:
     betas = [f"{b:g}" for b in report["betas"]]
     layers = report["moe_layers"]
     L = len(layers)
-    panels = [("counterfactual (one layer at a time)", report["displacement_counterfactual"]),
-              ("propagated (every layer, as training)", report["displacement"])]  # fmt: skip
+    panels = [
+        ("counterfactual (one layer at a time)", report["displacement_counterfactual"]),
+        ("propagated (every layer, as training)", report["displacement"]),
+    ]
     fig = Figure(figsize=(2.2 + 1.1 * len(betas) * 2, max(3.0, 0.16 * L + 1.6)), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     for ax, (title, figures) in zip(axes, panels, strict=True):
@@ -104,8 +111,15 @@ def plot_heatmap(report: dict, path: Path) -> Path:
         if L <= LABELLED_LAYERS:
             for i in range(L):
                 for j in range(len(betas)):
-                    ax.text(j, i, f"{mat[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                            color="white" if mat[i, j] > 0.55 else "black")  # fmt: skip
+                    ax.text(
+                        j,
+                        i,
+                        f"{mat[i, j]:.2f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if mat[i, j] > 0.55 else "black",
+                    )
     step = max(1, math.ceil(L / 30))
     axes[0].set_yticks(range(0, L, step), [str(layers[i]) for i in range(0, L, step)], fontsize=7)
     axes[0].set_ylabel("MoE layer (model layer index)")

@@ -40,9 +40,9 @@ from rpb.collect.rows import RowIndex, label_rows, scan_rows
 from rpb.data import ChatTemplate, Example, collate
 from rpb.errors import ArgumentError
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
+from rpb.observe.trace import RouterTap, route_batch
 from rpb.prior import DEFAULT_CLIP, DEFAULT_EPS, clip_prior, router_probs
 from rpb.retention.metrics import entropy_bits
-from rpb.retention.trace import RouterTap, route_batch
 from rpb.routing import select_with_groups
 
 DEFAULT_BETAS = (0.1, 0.25, 0.5, 1.0, 2.0)
@@ -98,8 +98,10 @@ class Counter:
 
     def __init__(self, betas: int, rows: int, layers: int):
         self.content = RowSums(1, rows, layers)
-        self.sums = {name: RowSums(betas, rows, layers) for name in ("cf_changed", "cf_overlap", "cf_groups",
-                                                                     "changed", "overlap")}  # fmt: skip
+        self.sums = {
+            name: RowSums(betas, rows, layers)
+            for name in ("cf_changed", "cf_overlap", "cf_groups", "changed", "overlap")
+        }
         self.agreement = {name: RowSums(1, rows, layers) for name in ("native", "probs")}
 
 
@@ -108,8 +110,17 @@ def _layer_tokens(tok: dict, device) -> tuple[torch.Tensor, torch.Tensor, torch.
     return keep, tok["row_T"].to(device)[keep], tok["span_T"].to(device)[keep]
 
 
-def counterfactual_pass(model, layers: list[MoELayer], handles: list[AnchorHandle], sample: Sample, counter: Counter,
-                        transform: str, batch_size: int, pad_id: int, progress: bool) -> None:  # fmt: skip
+def counterfactual_pass(
+    model,
+    layers: list[MoELayer],
+    handles: list[AnchorHandle],
+    sample: Sample,
+    counter: Counter,
+    transform: str,
+    batch_size: int,
+    pad_id: int,
+    progress: bool,
+) -> None:
     """One unbiased forward per batch; every beta's choice layer by layer on its logits; agreement."""
     top_k = handles[0].layers[0].spec.top_k
     batches = plan_batches([len(e) for e in sample.examples], batch_size)
@@ -138,8 +149,16 @@ def counterfactual_pass(model, layers: list[MoELayer], handles: list[AnchorHandl
             counter.agreement["probs"].add(0, pos, row, span, set_overlap(prior_TK, probs_TK, E))
 
 
-def propagated_pass(model, layers: list[MoELayer], handles: list[AnchorHandle], sample: Sample, counter: Counter,
-                    batch_size: int, pad_id: int, progress: bool) -> None:  # fmt: skip
+def propagated_pass(
+    model,
+    layers: list[MoELayer],
+    handles: list[AnchorHandle],
+    sample: Sample,
+    counter: Counter,
+    batch_size: int,
+    pad_id: int,
+    progress: bool,
+) -> None:
     """Per batch, the unbiased forward, then one forward per beta with the bias at every MoE layer."""
     batches = plan_batches([len(e) for e in sample.examples], batch_size)
     for positions in tqdm(batches, desc="calibrate: propagated", unit="batch", disable=not progress):
@@ -176,11 +195,23 @@ def prior_entropy(pi_RSLE: torch.Tensor, eps: float, c: float) -> list[float]:
 
 
 def calibrate(
-    model: str, prior: str | Path, data_jsonl: str | Path, out: str | Path | None = None,
-    betas=DEFAULT_BETAS, rows: int | None = None, seed: int = 0, batch_size: int = 8,
-    eps: float = DEFAULT_EPS, c: float = DEFAULT_CLIP, tokenizer: str | None = None, trust_remote_code: bool = False,
-    adapter: str | None = None, dtype: str = "float32", device: str = "auto", progress: bool = True,
-) -> dict:  # fmt: skip
+    model: str,
+    prior: str | Path,
+    data_jsonl: str | Path,
+    out: str | Path | None = None,
+    betas=DEFAULT_BETAS,
+    rows: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    eps: float = DEFAULT_EPS,
+    c: float = DEFAULT_CLIP,
+    tokenizer: str | None = None,
+    trust_remote_code: bool = False,
+    adapter: str | None = None,
+    dtype: str = "float32",
+    device: str = "auto",
+    progress: bool = True,
+) -> dict:
     """Measure the bias at each of ``betas`` on a seeded sample of ``rows`` rows (None: ``DEFAULT_ROWS``, or
     every row of a smaller file); write calibrate.json, calibrate.md and calibrate.png to ``out`` (when
     given) and return the report."""
@@ -197,30 +228,46 @@ def calibrate(
     base, facts = load_base_model(model, dtype, adapter, device)
     layers = find_moe_layers(base, facts)
     run = RunFacts(
-        data_sha256=index.sha256, num_rows=index.num_rows, model=str(model),
-        routers_sha256=routers_sha256(layers, facts), tokenizer=str(tokenizer or model),
-        chat_template_sha256=template.sha256, chat_template_kwargs=template.kwargs,
-        top_k=int(getattr(base.config, facts.top_k_config)), max_seq_len=meta["max_seq_len"],
-        moe_layers=[m.layer_index for m in layers], num_experts=int(layers[0].router.weight.shape[0]),
-    )  # fmt: skip
+        data_sha256=index.sha256,
+        num_rows=index.num_rows,
+        model=str(model),
+        routers_sha256=routers_sha256(layers, facts),
+        tokenizer=str(tokenizer or model),
+        chat_template_sha256=template.sha256,
+        chat_template_kwargs=template.kwargs,
+        top_k=int(getattr(base.config, facts.top_k_config)),
+        max_seq_len=meta["max_seq_len"],
+        moe_layers=[m.layer_index for m in layers],
+        num_experts=int(layers[0].router.weight.shape[0]),
+    )
     verify_prior(meta, run, str(prior))  # the same check, and the same errors, as rpb train
 
     indices = sorted(random.Random(seed).sample(range(index.num_rows), rows))
     sample = Sample(indices, label_rows(index, template, meta["max_seq_len"], indices), artifact.prior_qa[indices])
-    handles = [install_anchor(base, AnchorConfig(method="rpb", beta=b, eps=eps, c=c), prior=artifact.prior_qa,
-                              adapter=adapter) for b in betas]  # fmt: skip
+    handles = [
+        install_anchor(base, AnchorConfig(method="rpb", beta=b, eps=eps, c=c), prior=artifact.prior_qa, adapter=adapter)
+        for b in betas
+    ]
     counter = Counter(len(betas), rows, len(layers))
     pad_id = pad_id_of(tok)
     try:
-        counterfactual_pass(base, layers, handles, sample, counter, meta["router_transform"], batch_size, pad_id,
-                            progress)  # fmt: skip
+        counterfactual_pass(
+            base, layers, handles, sample, counter, meta["router_transform"], batch_size, pad_id, progress
+        )
         propagated_pass(base, layers, handles, sample, counter, batch_size, pad_id, progress)
     finally:
         for handle in handles:
             handle.remove()
     report = build_report(counter, betas, sample, handles[0], seed, eps, c)
-    report.update(model=str(model), prior=str(prior), data=str(data_jsonl), moe_layers=run.moe_layers,
-                  top_k=run.top_k, num_experts=run.num_experts, router_transform=meta["router_transform"])  # fmt: skip
+    report.update(
+        model=str(model),
+        prior=str(prior),
+        data=str(data_jsonl),
+        moe_layers=run.moe_layers,
+        top_k=run.top_k,
+        num_experts=run.num_experts,
+        router_transform=meta["router_transform"],
+    )
     if out is not None:
         from rpb.calibrate.report import write_report
 
@@ -228,8 +275,9 @@ def calibrate(
     return report
 
 
-def build_report(counter: Counter, betas: list[float], sample: Sample, handle: AnchorHandle, seed: int, eps: float,
-                 c: float) -> dict:  # fmt: skip
+def build_report(
+    counter: Counter, betas: list[float], sample: Sample, handle: AnchorHandle, seed: int, eps: float, c: float
+) -> dict:
     """Every figure of calibrate.json, and the rule's beta."""
     top_k = handle.layers[0].spec.top_k
     grouped = any(layer.spec.group_scoring for layer in handle.layers)
@@ -237,9 +285,15 @@ def build_report(counter: Counter, betas: list[float], sample: Sample, handle: A
     entropy = prior_entropy(sample.pi_RSLE, eps, c)
     by_beta = {b: counterfactual["mean"][f"{b:g}"]["both"] for b in betas}
     return {
-        "schema": SCHEMA, "schema_version": 1, "betas": betas, "rows": len(sample.indices), "seed": seed,
+        "schema": SCHEMA,
+        "schema_version": 1,
+        "betas": betas,
+        "rows": len(sample.indices),
+        "seed": seed,
         "sample_rows": sample.indices,
-        "eps": eps, "c": c, "subsets": list(SUBSETS),
+        "eps": eps,
+        "c": c,
+        "subsets": list(SUBSETS),
         "displacement": _figures(counter.sums["changed"], counter, seed, betas),
         "displacement_counterfactual": counterfactual,
         "group_displacement": _figures(counter.sums["cf_groups"], counter, seed, betas) if grouped else None,
@@ -252,4 +306,4 @@ def build_report(counter: Counter, betas: list[float], sample: Sample, handle: A
         "prior_effective_experts": [2.0**h for h in entropy],
         "rule": rule.describe(),
         "recommended_beta": rule.recommend_beta(by_beta),
-    }  # fmt: skip
+    }

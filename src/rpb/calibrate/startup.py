@@ -17,11 +17,12 @@ from rpb.anchors import AnchorHandle
 from rpb.calibrate.measure import same_sets
 from rpb.collect.collector import plan_batches
 from rpb.data import Example, collate
-from rpb.retention.trace import RouterTap, route_batch
+from rpb.observe.trace import RouterTap, route_batch
 
 
-def startup_displacement(handle: AnchorHandle, model, examples: list[Example], rows: int, seed: int,
-                         batch_size: int, pad_id: int) -> list[float]:  # fmt: skip
+def startup_displacement(
+    handle: AnchorHandle, model, examples: list[Example], rows: int, seed: int, batch_size: int, pad_id: int
+) -> list[float]:
     """Per MoE layer, the fraction of the sampled rows' content tokens the bias would move."""
     chosen = sorted(random.Random(seed).sample(range(len(examples)), min(rows, len(examples))))
     sample = [examples[i] for i in chosen]

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 import rpb
-from rpb.adapters import MoELayer, find_moe_layers, router_output, routers_sha256
+from rpb.adapters import MoELayer, find_moe_layers, routers_sha256
 from rpb.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION, PriorArtifact, load_artifact
 from rpb.collect.dist import ranks
 from rpb.collect.rows import KEEP_TOKENS, label_range, scan_rows
@@ -33,6 +33,7 @@ from rpb.data import ChatTemplate, Example, collate, note_truncated
 from rpb.data.reasoning import note_reasoning
 from rpb.errors import ArgumentError
 from rpb.models import DTYPES, config_sha256, load_base_model, load_tokenizer, pad_id_of, resolve_device
+from rpb.observe.hooks import Hooks, RouterCall, on_router_calls
 from rpb.prior import NUM_SPANS, ROUTER_TRANSFORMS, SPAN_NAMES, router_probs, span_counts, span_sums
 
 #: rows per chunk: the unit of writing, of resuming and of sharing out, and the window rows
@@ -41,7 +42,7 @@ DEFAULT_CHUNK_ROWS = 256
 
 
 class SpanAccumulator:
-    """Forward hooks on every router that turn its logits into per-span probability sums.
+    """Router hooks (``rpb.observe``) that turn each router's logits into per-span probability sums.
 
     Set ``span_BT`` before each forward; after it, ``sums_LBSE`` holds the batch's sums.
     The hooks are removed when the context exits, leaving the model as it was.
@@ -52,29 +53,22 @@ class SpanAccumulator:
         self.transform = transform
         self.span_BT: torch.Tensor | None = None
         self._sums: list[torch.Tensor | None] = [None] * len(layers)
-        self._handles = []
+        self._hooks = Hooks()
 
-    def _hook(self, pos: int):
-        def hook(module, args, output):
-            logits, _, _ = router_output(self.layers[pos], output)
-            B, T = self.span_BT.shape
-            if logits.shape[0] != B * T:
-                raise RuntimeError(
-                    f"router {self.layers[pos].name} returned {logits.shape[0]} rows for a {B}x{T} batch"
-                )
-            probs_BTE = router_probs(logits.detach(), self.transform).view(B, T, -1)
-            self._sums[pos] = span_sums(probs_BTE, self.span_BT)
-
-        return hook
+    def _add(self, call: RouterCall) -> None:
+        logits, _, _ = call.read()
+        B, T = self.span_BT.shape
+        if logits.shape[0] != B * T:
+            raise RuntimeError(f"router {call.layer.name} returned {logits.shape[0]} rows for a {B}x{T} batch")
+        probs_BTE = router_probs(logits.detach(), self.transform).view(B, T, -1)
+        self._sums[call.pos] = span_sums(probs_BTE, self.span_BT)
 
     def __enter__(self):
-        self._handles = [m.router.register_forward_hook(self._hook(i)) for i, m in enumerate(self.layers)]
+        self._hooks = on_router_calls(self.layers, self._add)
         return self
 
     def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._hooks.remove()
 
     def take(self) -> torch.Tensor:
         if any(s is None for s in self._sums):

@@ -85,8 +85,9 @@ def label_row(template: ChatTemplate, row, max_seq_len: int) -> tuple[list[int],
 def _no_tokens(row, ranges, span: int, max_seq_len: int) -> RowProblem:
     """Why a row's Q or A span has no token: empty messages, or text that truncation cut off."""
     name, kind, roles = {
-        SPAN_Q: ("Q (user content)", "empty-q-span", Q_ROLES), SPAN_A: ("A (assistant)", "empty-a-span", A_ROLES)
-    }[span]  # fmt: skip
+        SPAN_Q: ("Q (user content)", "empty-q-span", Q_ROLES),
+        SPAN_A: ("A (assistant)", "empty-a-span", A_ROLES),
+    }[span]
     if any(s == span and b > a for a, b, s in ranges):
         return RowProblem(kind, f"the {name} span has no tokens after truncation to max_seq_len={max_seq_len}")
     if isinstance(row, ReferenceRow):
@@ -124,8 +125,11 @@ def note_truncated(truncated: int, rows: int, max_seq_len: int) -> None:
     if truncated:
         logger.warning(
             "rpb: %d of %d row(s) are longer than max_seq_len=%d tokens and were cut on the right (their tokens "
-            "past it are neither routed nor trained); recorded as truncated_rows", truncated, rows, max_seq_len,
-        )  # fmt: skip
+            "past it are neither routed nor trained); recorded as truncated_rows",
+            truncated,
+            rows,
+            max_seq_len,
+        )
 
 
 #: the last files labelled in this process, by everything their labels depend on (the file's bytes, the
@@ -146,8 +150,13 @@ def tokenizer_digest(tokenizer) -> str:
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
-    for part in (tokenizer.chat_template, tokenizer.special_tokens_map, tokenizer.padding_side,
-                 tokenizer.truncation_side, getattr(tokenizer, "added_tokens_encoder", None)):  # fmt: skip
+    for part in (
+        tokenizer.chat_template,
+        tokenizer.special_tokens_map,
+        tokenizer.padding_side,
+        tokenizer.truncation_side,
+        getattr(tokenizer, "added_tokens_encoder", None),
+    ):
         h.update(repr(part).encode())
     return h.hexdigest()
 

@@ -100,9 +100,10 @@ def merge_channels(messages: list[dict]) -> tuple[list[dict], list[int]]:
         if channel == "analysis" and nxt is not None and nxt.get("channel") == "final" and m["role"] == nxt["role"]:
             if any(nxt.get(f) is not None for f in REASONING_FIELDS):
                 raise RowProblem(
-                    "reasoning-conflict", "a final-channel message after an analysis one carries a reasoning too",
+                    "reasoning-conflict",
+                    "a final-channel message after an analysis one carries a reasoning too",
                     f"messages[{i + 1}]",
-                )  # fmt: skip
+                )
             merged = {k: v for k, v in nxt.items() if k != "channel"} | {"thinking": m["content"]}
             out.append(merged)
             origin.append(i + 1)

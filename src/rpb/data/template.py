@@ -61,6 +61,7 @@ class TemplateError(RpbError):
 
 
 #: apply_chat_template's own parameters, which template keyword arguments may not set
+# fmt: skip below: a table of data, kept aligned row by row (the formatter would put one item per line)
 _RESERVED = frozenset({
     "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",

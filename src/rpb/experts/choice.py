@@ -91,8 +91,11 @@ class ExpertChoice:
     provenance: dict | None = None
 
     def to_json(self) -> str:
-        body = {"experts": {str(k): v for k, v in sorted(self.experts.items())}, "shared_experts": self.shared_experts,
-                "non_expert_modules": self.non_expert_modules}  # fmt: skip
+        body = {
+            "experts": {str(k): v for k, v in sorted(self.experts.items())},
+            "shared_experts": self.shared_experts,
+            "non_expert_modules": self.non_expert_modules,
+        }
         if self.provenance is not None:
             body["rpb"] = self.provenance
         return json.dumps(body, indent=1)

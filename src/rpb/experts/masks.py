@@ -71,10 +71,17 @@ def check_choice(model: nn.Module, choice: ExpertChoice, facts: RouterFacts) -> 
     layers = find_moe_layers(model, facts)
     num_experts = int(layers[0].router.weight.shape[0])
     known = {m.layer_index for m in layers}
-    problems = [f"layer {i}: not a MoE layer of this model (MoE layers: {sorted(known)})"
-                for i in choice.experts if i not in known]  # fmt: skip
-    problems += [f"layer {i}: expert {e} out of range (the model has {num_experts})"
-                 for i, ids in choice.experts.items() for e in ids if e >= num_experts]  # fmt: skip
+    problems = [
+        f"layer {i}: not a MoE layer of this model (MoE layers: {sorted(known)})"
+        for i in choice.experts
+        if i not in known
+    ]
+    problems += [
+        f"layer {i}: expert {e} out of range (the model has {num_experts})"
+        for i, ids in choice.experts.items()
+        for e in ids
+        if e >= num_experts
+    ]
     if problems:
         raise ArgumentError("the expert choice does not fit the model:\n  " + "\n  ".join(problems))
     return num_experts
@@ -97,8 +104,10 @@ def mask_lora_to_experts(model: nn.Module, choice: ExpertChoice, facts: RouterFa
     stay frozen, as PEFT leaves every base parameter."""
     num_experts = check_choice(model, choice, facts)
     if choice.shared_experts or choice.non_expert_modules:
-        logger.warning("rpb: lora.experts.from trains LoRA on the chosen routed experts only; the file's "
-                       "shared_experts / non_expert_modules flags are for train.only_experts")  # fmt: skip
+        logger.warning(
+            "rpb: lora.experts.from trains LoRA on the chosen routed experts only; the file's "
+            "shared_experts / non_expert_modules flags are for train.only_experts"
+        )
     leaves, masked = _leaf_names(facts), 0
     for name, module in model.named_modules():
         match = LAYER.search(name)
@@ -188,8 +197,10 @@ def train_only_experts(model: nn.Module, choice: ExpertChoice, facts: RouterFact
                     GradMask(owner, lambda m=owner, n=leaf: getattr(m, n), keep_E.view((-1,) + (1,) * (p.dim() - 1)))
                 slots.append((owner, leaf, keep_E))
         else:
-            problems.append(f"{name} {tuple(p.shape)}: among the routed experts, but neither [E={num_experts}, ...] "
-                            "nor inside one expert's module")  # fmt: skip
+            problems.append(
+                f"{name} {tuple(p.shape)}: among the routed experts, but neither [E={num_experts}, ...] "
+                "nor inside one expert's module"
+            )
     if problems:
         raise ArgumentError("train.only_experts: parameters it cannot split by expert:\n  " + "\n  ".join(problems))
     if not trains:

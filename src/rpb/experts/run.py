@@ -25,7 +25,7 @@ from rpb.errors import ArgumentError
 from rpb.experts.choice import SPANS, ExpertChoice, choose, gate_scores, never_selected, selection_ratio
 from rpb.fileio import write_text_atomic
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
-from rpb.retention.trace import RouterTap, route_batch
+from rpb.observe.trace import RouterTap, route_batch
 
 logger = logging.getLogger(__name__)
 
@@ -62,20 +62,29 @@ def run_experts(
     # the token-selection share, which the zero-share check reads whatever the measure
     shares_LE = None
     if model and data_jsonl:
-        shares_LE = token_scores(meta, model, data_jsonl, tokenizer, span, batch_size, adapter, dtype, device,
-                                 progress)  # fmt: skip
+        shares_LE = token_scores(meta, model, data_jsonl, tokenizer, span, batch_size, adapter, dtype, device, progress)
     scores_LE = shares_LE if measure == "token" else gate_scores(artifact.prior_qa, artifact.span_tokens, span)
     chosen = choose(scores_LE, threshold, top_n)
     unselected = None if shares_LE is None else never_selected(chosen, shares_LE, meta["moe_layers"])
     _warn_never_selected(unselected, span)
-    provenance = {"measure": measure, "span": span, "threshold": threshold, "top_n": top_n, "prior": str(prior),
-                  "prior_sha256": file_sha256(prior), "data_sha256": meta["data_sha256"], "model": meta["model"],
-                  "num_experts": meta["num_experts"],
-                  "never_selected": None if unselected is None else {str(k): v for k, v in unselected.items()},
-                  "scores": {str(i): [round(float(x), 6) for x in row] for i, row in zip(meta["moe_layers"], scores_LE,
-                                                                                         strict=True)}}  # fmt: skip
-    choice = ExpertChoice(dict(zip(meta["moe_layers"], chosen, strict=True)), shared_experts, non_expert_modules,
-                          provenance)  # fmt: skip
+    provenance = {
+        "measure": measure,
+        "span": span,
+        "threshold": threshold,
+        "top_n": top_n,
+        "prior": str(prior),
+        "prior_sha256": file_sha256(prior),
+        "data_sha256": meta["data_sha256"],
+        "model": meta["model"],
+        "num_experts": meta["num_experts"],
+        "never_selected": None if unselected is None else {str(k): v for k, v in unselected.items()},
+        "scores": {
+            str(i): [round(float(x), 6) for x in row] for i, row in zip(meta["moe_layers"], scores_LE, strict=True)
+        },
+    }
+    choice = ExpertChoice(
+        dict(zip(meta["moe_layers"], chosen, strict=True)), shared_experts, non_expert_modules, provenance
+    )
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, choice.to_json() + "\n")
     return choice
@@ -83,13 +92,19 @@ def run_experts(
 
 def _warn_never_selected(unselected: dict[int, list[int]] | None, span: str) -> None:
     if unselected is None:
-        logger.warning("rpb experts: whether the router ever selects the chosen experts was not checked: it takes "
-                       "the base and the data (--model, --data-jsonl)")  # fmt: skip
+        logger.warning(
+            "rpb experts: whether the router ever selects the chosen experts was not checked: it takes "
+            "the base and the data (--model, --data-jsonl)"
+        )
     elif unselected:
         where = "; ".join(f"layer {layer}: {ids}" for layer, ids in unselected.items())
-        logger.warning("rpb experts: %d chosen experts are never selected by the router on the task's tokens "
-                       "(span %s; token-selection share 0), so training them changes nothing on this data: %s",
-                       sum(map(len, unselected.values())), span, where)  # fmt: skip
+        logger.warning(
+            "rpb experts: %d chosen experts are never selected by the router on the task's tokens "
+            "(span %s; token-selection share 0), so training them changes nothing on this data: %s",
+            sum(map(len, unselected.values())),
+            span,
+            where,
+        )
 
 
 def token_scores(meta, model_id, data_jsonl, tokenizer, span, batch_size, adapter, dtype, device, progress):
@@ -102,8 +117,9 @@ def token_scores(meta, model_id, data_jsonl, tokenizer, span, batch_size, adapte
     layers = find_moe_layers(model, facts)
     if routers_sha256(layers, facts) != meta["routers_sha256"]:
         raise ArgumentError(f"{model_id}: its routers are not those of the prior's base ({meta['model']})")
-    counts_NLE, tokens_N = selection_counts(model, layers, data.examples, span, meta["top_k"], meta["num_experts"],
-                                            batch_size, pad_id_of(tok), progress)  # fmt: skip
+    counts_NLE, tokens_N = selection_counts(
+        model, layers, data.examples, span, meta["top_k"], meta["num_experts"], batch_size, pad_id_of(tok), progress
+    )
     return selection_ratio(counts_NLE, tokens_N, meta["top_k"])
 
 

@@ -113,8 +113,18 @@ class SFTTrainer(AnchorTrainerMixin, trl.SFTTrainer):
     Everything else is TRL's, except what the module docstring lists.
     """
 
-    def __init__(self, model, args: trl.SFTConfig, train_dataset, *, anchor: AnchorHandle,
-                 loss_on: LossOn = "answer", data_collator=None, processing_class=None, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        args: trl.SFTConfig,
+        train_dataset,
+        *,
+        anchor: AnchorHandle,
+        loss_on: LossOn = "answer",
+        data_collator=None,
+        processing_class=None,
+        **kwargs,
+    ):
         problems = _problems(args, anchor, data_collator)
         if problems:
             raise ConfigError("rpb.integrations.trl.SFTTrainer", problems)
@@ -123,16 +133,22 @@ class SFTTrainer(AnchorTrainerMixin, trl.SFTTrainer):
         global _TOLD
         if not _TOLD:
             was = "unset: TRL would use the model config's" if args.router_aux_loss_coef is None else "0.0"
-            logger.warning("rpb: router_aux_loss_coef=0.0 (%s); no native load-balancing loss under any method, "
-                           "rpb's own is anchor.method=lbl", was)  # fmt: skip
+            logger.warning(
+                "rpb: router_aux_loss_coef=0.0 (%s); no native load-balancing loss under any method, "
+                "rpb's own is anchor.method=lbl",
+                was,
+            )
             _TOLD = True
         args.router_aux_loss_coef = 0.0
         args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
         packed = bool(args.packing or args.padding_free)
         text_config = model.config.get_text_config()
         # the model's own values, written back into every saved config.json
-        self._native_aux = {k: getattr(text_config, k) for k in ("output_router_logits", "router_aux_loss_coef")
-                            if hasattr(text_config, k)}  # fmt: skip
+        self._native_aux = {
+            k: getattr(text_config, k)
+            for k in ("output_router_logits", "router_aux_loss_coef")
+            if hasattr(text_config, k)
+        }
         if "output_router_logits" in self._native_aux:
             self._native_aux["output_router_logits"] = anchor.native_output_router_logits
         collator = data_collator or AnchorCollator(pad_id=pad_id_of(processing_class), padding_free=packed)
@@ -143,8 +159,15 @@ class SFTTrainer(AnchorTrainerMixin, trl.SFTTrainer):
             kwargs["eval_dataset"] = as_dataset(kwargs["eval_dataset"], loss_on)
         try:
             rows = as_dataset(train_dataset, loss_on)
-            super().__init__(model=model, args=args, train_dataset=rows, data_collator=collator,
-                             processing_class=processing_class, anchor=anchor, **kwargs)  # fmt: skip
+            super().__init__(
+                model=model,
+                args=args,
+                train_dataset=rows,
+                data_collator=collator,
+                processing_class=processing_class,
+                anchor=anchor,
+                **kwargs,
+            )
         finally:
             args.packing, args.padding_free = saved
         if self.model is not anchor.model:
@@ -177,9 +200,16 @@ class SFTTrainer(AnchorTrainerMixin, trl.SFTTrainer):
 
 
 def prepare(
-    model, tokenizer, data_jsonl: str, anchor: AnchorConfig, prior: str | None = None, *,
-    max_seq_len: int | None = None, model_id: str | None = None, chat_template_kwargs: dict | None = None,
-) -> tuple[AnchorHandle, LabelledData]:  # fmt: skip
+    model,
+    tokenizer,
+    data_jsonl: str,
+    anchor: AnchorConfig,
+    prior: str | None = None,
+    *,
+    max_seq_len: int | None = None,
+    model_id: str | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> tuple[AnchorHandle, LabelledData]:
     """Label the data file, check the prior against it and the model (the errors of ``rpb train``),
     and install the anchor; returns ``(handle, rows)`` for ``SFTTrainer(..., train_dataset=rows,
     anchor=handle)``. Call ``handle.remove()`` after training. ``chat_template_kwargs``: the template's keyword
@@ -191,6 +221,15 @@ def prepare(
     date = artifact.metadata.get("chat_template_date") if artifact is not None else None
     data = load_labelled(data_jsonl, tokenizer, max_seq_len, chat_template_kwargs, date)
     name = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    handle, _ = attach_anchor(model, tokenizer, data, anchor, artifact, model_id=name, prior_path=prior or "prior",
-                              max_seq_len=max_seq_len, progress=False)  # fmt: skip
+    handle, _ = attach_anchor(
+        model,
+        tokenizer,
+        data,
+        anchor,
+        artifact,
+        model_id=name,
+        prior_path=prior or "prior",
+        max_seq_len=max_seq_len,
+        progress=False,
+    )
     return handle, data

@@ -46,8 +46,12 @@ def registered() -> list[str]:
 def supports(experts: torch.nn.Module) -> bool:
     """Whether ``experts`` has the weight layout ``rpb_sorted`` multiplies (else it runs ``grouped_mm``)."""
     flags = (getattr(experts, "has_gate", False), getattr(experts, "is_concatenated", True))
-    off = (getattr(experts, "has_bias", False), getattr(experts, "is_transposed", False),
-           getattr(experts, "has_post_expert_norm", False), getattr(experts, "_is_expert_parallel", False))  # fmt: skip
+    off = (
+        getattr(experts, "has_bias", False),
+        getattr(experts, "is_transposed", False),
+        getattr(experts, "has_post_expert_norm", False),
+        getattr(experts, "_is_expert_parallel", False),
+    )
     return all(flags) and not any(off) and hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")
 
 
@@ -114,8 +118,9 @@ def sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     keep_T = _KEEP_T.get()
     if keep_T is not None and (keep_T.numel() != hidden_states.shape[0] or not keep_T.any()):
         keep_T = None  # not this forward's tokens (a nested or unrelated model call), or none to keep
-    out_TH = _SortedExperts.apply(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                  keep_T, self._apply_gate)  # fmt: skip
+    out_TH = _SortedExperts.apply(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, keep_T, self._apply_gate
+    )
     return out_TH.to(hidden_states.dtype)
 
 

@@ -41,6 +41,7 @@ from rpb.adapters.hf import expert_bias_of
 from rpb.errors import ArgumentError
 from rpb.monitor.asked import asked_from_config, asked_from_model
 from rpb.monitor.verdict import Asked, AuditReport, LayerAudit, contradictions, significant
+from rpb.observe.hooks import on_router_inputs
 
 __all__ = ["AUX_COEFFICIENTS", "Asked", "AuditReport", "asked_from_config", "asked_from_model", "audit"]
 
@@ -86,33 +87,42 @@ def audit(trainer, asked: Asked | None = None, rows: int = 4, adapter: str | Non
                 _zero(model)
         stats = handle.reset_stats() if handle is not None else {}
         _step(run, model, optimizer)  # with the full step's gradients, the last computed
-        moved = [float((_effective_logits(m, facts, h) - b).abs().max())
-                 for m, h, b in zip(layers, inputs, before, strict=True)]  # fmt: skip
-        bias_moved = [None if b is None else float((expert_bias_of(m, facts).float() - b).abs().max())
-                      for m, b in zip(layers, bias_before, strict=True)]  # fmt: skip
+        moved = [
+            float((_effective_logits(m, facts, h) - b).abs().max())
+            for m, h, b in zip(layers, inputs, before, strict=True)
+        ]
+        bias_moved = [
+            None if b is None else float((expert_bias_of(m, facts).float() - b).abs().max())
+            for m, b in zip(layers, bias_before, strict=True)
+        ]
     return _report(asked, layers, handle, found, moved, bias_moved, stats)
 
 
 def _report(asked, layers, handle, found, moved, bias_moved, stats) -> AuditReport:
     (lm, g_lm, _), (no_anchor, g_no_anchor, p_no_anchor), (no_aux, g_no_aux, _), (full, g_full, p_full) = (
-        found[False, False], found[False, True], found[True, False], found[True, True]
-    )  # fmt: skip
+        found[False, False],
+        found[False, True],
+        found[True, False],
+        found[True, True],
+    )
     method = handle.method if handle is not None else None
     has_term = method is not None and method.loss is not None
     out = []
     for pos, m in enumerate(layers):
         s = stats.get(pos)
-        out.append(LayerAudit(
-            layer=m.layer_index,
-            grad=float(g_full[pos].norm()),
-            moved=moved[pos],
-            expert_bias=bias_moved[pos],
-            anchor_grad=float((g_full[pos] - g_no_anchor[pos]).norm()) if has_term else None,
-            aux_grad=float((g_full[pos] - g_no_aux[pos]).norm()),
-            peft=_peft_kind(m),
-            biased=(s.changed / s.content if s.content else 0.0) if method and method.selection and s else None,
-            seen_by_anchor=None if handle is None else bool(s and s.tokens),
-        ))  # fmt: skip
+        out.append(
+            LayerAudit(
+                layer=m.layer_index,
+                grad=float(g_full[pos].norm()),
+                moved=moved[pos],
+                expert_bias=bias_moved[pos],
+                anchor_grad=float((g_full[pos] - g_no_anchor[pos]).norm()) if has_term else None,
+                aux_grad=float((g_full[pos] - g_no_aux[pos]).norm()),
+                peft=_peft_kind(m),
+                biased=(s.changed / s.content if s.content else 0.0) if method and method.selection and s else None,
+                seen_by_anchor=None if handle is None else bool(s and s.tokens),
+            )
+        )
     loss = {"lm": lm, "anchor": full - no_anchor, "native_aux": full - no_aux}
     reaches = significant(p_full - p_no_anchor, p_full) if has_term else None
     report = AuditReport(asked, out, loss, reaches)
@@ -228,20 +238,11 @@ def _router_inputs(layers: list[MoELayer], forward_backward) -> list[torch.Tenso
     """Run ``forward_backward`` and return the hidden states each router received (its first call)."""
     seen: dict[int, torch.Tensor] = {}
 
-    def keep(pos):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else next(iter(kwargs.values()))
-            seen.setdefault(pos, hidden.detach().reshape(-1, hidden.shape[-1]).clone())
+    def keep(pos: int, hidden: torch.Tensor) -> None:
+        seen.setdefault(pos, hidden.detach().reshape(-1, hidden.shape[-1]).clone())
 
-        return hook
-
-    hooks = [(m.wrapper or m.router).register_forward_pre_hook(keep(pos), with_kwargs=True)
-             for pos, m in enumerate(layers)]  # fmt: skip
-    try:
+    with on_router_inputs(layers, keep):
         forward_backward()
-    finally:
-        for h in hooks:
-            h.remove()
     missing = [m.name for pos, m in enumerate(layers) if pos not in seen]
     if missing:
         raise RuntimeError(f"the training step never ran the routers {missing}: the trainer's model does not use them")
@@ -267,8 +268,11 @@ def _router_grads(layers: list[MoELayer]) -> list[torch.Tensor]:
     """Each router's gradient, its parameters' gradients flattened and joined (zeros where none came)."""
     out = []
     for m in layers:
-        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().reshape(-1).cpu()
-                 for p in (m.wrapper or m.router).parameters() if p.requires_grad]  # fmt: skip
+        parts = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().reshape(-1).cpu()
+            for p in (m.wrapper or m.router).parameters()
+            if p.requires_grad
+        ]
         out.append(torch.cat(parts) if parts else torch.zeros(1))
     return out
 

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional
 
-from rpb.adapters import RouterFacts, find_moe_layers, get_adapter, router_output, router_spec
+from rpb.adapters import RouterFacts, find_moe_layers, get_adapter, router_spec
 from rpb.adapters.hf import expert_bias_of
 from rpb.anchors import AnchorHandle
 from rpb.anchors.transform import family_transform
 from rpb.errors import ArgumentError
+from rpb.observe.hooks import Hooks, RouterCall, on_model_inputs, on_router_calls
 from rpb.prior import ROUTER_TRANSFORMS, router_probs
 from rpb.routing import select
 
@@ -90,7 +91,7 @@ class RoutingMonitor:
         self._said_unlabelled = False
         #: the last flush's figures per layer: {figure: {decoder layer index: value}} (the alarms name layers)
         self.last_layers: dict[str, dict[int, float]] = {}
-        self._hooks: list = []
+        self._hooks: list[Hooks] = []
         self._last_kl: float | None = None
         self._reset()
 
@@ -114,8 +115,12 @@ class RoutingMonitor:
                 "sharded by FSDP1 (flat parameters). Attach the monitor before wrapping, or use FSDP2 "
                 '(fsdp_config {"version": 2}), whose shards the monitor gathers'
             )
-        return {"weight": weight, "bias": _whole(bias), "expert_bias": _whole(expert_bias_of(layer, self.facts)),
-                "spec": spec}  # fmt: skip
+        return {
+            "weight": weight,
+            "bias": _whole(bias),
+            "expert_bias": _whole(expert_bias_of(layer, self.facts)),
+            "spec": spec,
+        }
 
     def _reset(self) -> None:
         L, E = len(self.layers), self.base[0]["weight"].shape[0]
@@ -126,12 +131,11 @@ class RoutingMonitor:
     def attach(self) -> RoutingMonitor:
         if self._hooks:
             return self
-        self._hooks.append(self.model.register_forward_pre_hook(self._read_mask, with_kwargs=True))
+        self._hooks.append(on_model_inputs(self.model, self._read_mask))
         if self.anchor is not None:
             self.anchor.taps.append(self._tap)
             return self
-        for pos, layer in enumerate(self.layers):
-            self._hooks.append(layer.router.register_forward_hook(self._observer(pos)))
+        self._hooks.append(on_router_calls(self.layers, self._observer))
         return self
 
     def remove(self) -> None:
@@ -154,7 +158,7 @@ class RoutingMonitor:
         finally:
             self._given_BT = None
 
-    def _read_mask(self, module, args, kwargs):
+    def _read_mask(self, args, kwargs):
         labels, attention = kwargs.get("labels"), kwargs.get("attention_mask")
         ids = kwargs.get("input_ids", args[0] if args else None)
         if self._given_BT is not None:
@@ -171,14 +175,11 @@ class RoutingMonitor:
         else:
             self._mask_T, self._mask_source = None, None
 
-    def _observer(self, pos: int):
-        def hook(router, args, output):
-            if self.active and (router.training or not self.training_only):
-                with torch.no_grad():
-                    logits_TE, _, _ = router_output(self.layers[pos], output)
-                    self._observe(pos, args[0], logits_TE, None)
-
-        return hook
+    def _observer(self, call: RouterCall) -> None:
+        if self.active and (call.module.training or not self.training_only):
+            with torch.no_grad():
+                logits_TE, _, _ = call.read()
+                self._observe(call.pos, call.hidden, logits_TE, None)
 
     def _tap(self, pos: int, hidden, logits_TE, native_ids_TK) -> None:
         if self.active:  # the anchor taps training-mode forwards only
@@ -212,8 +213,11 @@ class RoutingMonitor:
         logits_TE = logits_TE.float()
         if h_TH.shape[0] == 0:
             return
-        base_TE = functional.linear(h_TH.float(), base["weight"].float().to(h_TH.device),
-                           None if base["bias"] is None else base["bias"].float().to(h_TH.device))  # fmt: skip
+        base_TE = functional.linear(
+            h_TH.float(),
+            base["weight"].float().to(h_TH.device),
+            None if base["bias"] is None else base["bias"].float().to(h_TH.device),
+        )
         spec = base["spec"]
         expert_now = expert_bias_of(layer, self.facts)
         if ids_now_TK is None:
@@ -261,15 +265,19 @@ class RoutingMonitor:
         c, out = self.config, []
         if c.min_overlap is not None and figures.get("routing/min/topk_overlap", math.inf) < c.min_overlap:
             where, also = self._layers_past("topk_overlap", lambda v: v < c.min_overlap, worst=min)
-            out.append(f"{where}'s top-k overlap with the base fell to {figures['routing/min/topk_overlap']:.3f} "
-                       f"(alarm below {c.min_overlap}{also})")  # fmt: skip
+            out.append(
+                f"{where}'s top-k overlap with the base fell to {figures['routing/min/topk_overlap']:.3f} "
+                f"(alarm below {c.min_overlap}{also})"
+            )
         if (
             c.max_dead_fraction is not None
             and figures.get("routing/max/dead_fraction", -math.inf) > c.max_dead_fraction
         ):
             where, also = self._layers_past("dead_fraction", lambda v: v > c.max_dead_fraction, worst=max)
-            out.append(f"{where} left {figures['routing/max/dead_fraction']:.3f} of its experts unused "
-                       f"(alarm above {c.max_dead_fraction}{also})")  # fmt: skip
+            out.append(
+                f"{where} left {figures['routing/max/dead_fraction']:.3f} of its experts unused "
+                f"(alarm above {c.max_dead_fraction}{also})"
+            )
         kl = figures.get("routing/mean/kl")
         if (
             c.max_kl_jump is not None

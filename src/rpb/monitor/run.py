@@ -26,9 +26,14 @@ def run_audit(config: str, overrides: list[str] = (), rows: int = 4, out: str | 
     try:
         with tempfile.TemporaryDirectory(prefix="rpb-audit-") as scratch:
             cfg = dataclasses.replace(cfg, output_dir=scratch, train=dataclasses.replace(cfg.train, report_to=["none"]))
-            trainer = AnchorTrainer(model=prepared.model, args=training_arguments(cfg, progress=False),
-                                    train_dataset=prepared.dataset, data_collator=prepared.collator,
-                                    anchor=prepared.handle, expert_mask=prepared.expert_mask)  # fmt: skip
+            trainer = AnchorTrainer(
+                model=prepared.model,
+                args=training_arguments(cfg, progress=False),
+                train_dataset=prepared.dataset,
+                data_collator=prepared.collator,
+                anchor=prepared.handle,
+                expert_mask=prepared.expert_mask,
+            )
             report = audit(trainer, asked_from_config(cfg), rows=rows, adapter=cfg.adapter)
     finally:
         prepared.handle.remove()

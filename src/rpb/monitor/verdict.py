@@ -64,12 +64,16 @@ class AuditReport:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for a in self.layers:
-            lines.append(f"| {a.layer} | {self.asked.describe(a.layer)} | {a.peft or '-'} | {f(a.grad)} | "
-                         f"{f(a.moved)} | {f(a.expert_bias)} | {f(a.anchor_grad)} | {f(a.aux_grad)} | "
-                         f"{f(a.biased)} |")  # fmt: skip
+            lines.append(
+                f"| {a.layer} | {self.asked.describe(a.layer)} | {a.peft or '-'} | {f(a.grad)} | "
+                f"{f(a.moved)} | {f(a.expert_bias)} | {f(a.anchor_grad)} | {f(a.aux_grad)} | "
+                f"{f(a.biased)} |"
+            )
         s = self.loss
-        lines.append(f"\nstep-2 loss: LM {s['lm']:.5g}, anchor term {s['anchor']:+.3g}, "
-                     f"native load-balancing loss {s['native_aux']:+.3g}")  # fmt: skip
+        lines.append(
+            f"\nstep-2 loss: LM {s['lm']:.5g}, anchor term {s['anchor']:+.3g}, "
+            f"native load-balancing loss {s['native_aux']:+.3g}"
+        )
         if self.contradictions:
             lines += ["", "contradictions:", *(f"- {c}" for c in self.contradictions)]
         else:
@@ -101,11 +105,15 @@ def contradictions(report: AuditReport, anchor_installed: bool, lm_grads: list[f
     frozen = [a for a in rows if asked.frozen_at(a.layer)]
     where = _where(frozen)  # first the layers whose router is meant frozen
     if w := where(lambda a: a.moved > 0):
-        out.append(f"router frozen asked, router changed ({w}: its effective logits moved up to "
-                   f"{max(a.moved for a in frozen):.3g})")  # fmt: skip
+        out.append(
+            f"router frozen asked, router changed ({w}: its effective logits moved up to "
+            f"{max(a.moved for a in frozen):.3g})"
+        )
     if w := where(lambda a: a.expert_bias):
-        out.append(f"router frozen asked, its expert-correction bias changed ({w}): something updates it "
-                   "outside the optimizer's gradients (a hook or a callback)")  # fmt: skip
+        out.append(
+            f"router frozen asked, its expert-correction bias changed ({w}): something updates it "
+            "outside the optimizer's gradients (a hook or a callback)"
+        )
     if w := where(lambda a: a.peft):
         kinds = sorted({a.peft for a in frozen if a.peft})
         out.append(f"router frozen asked, but PEFT wraps the router ({w}: {', '.join(kinds)})")
@@ -117,9 +125,11 @@ def contradictions(report: AuditReport, anchor_installed: bool, lm_grads: list[f
         if not anchor_installed:
             out.append(f"anchor {asked.anchor} asked, but no rpb anchor is installed in this trainer")
         elif w := where(lambda a: a.seen_by_anchor is False):
-            out.append(f"anchor {asked.anchor} asked, but its hooks saw no token ({w}): the step context is not "
-                       "set (a trainer without rpb's AnchorTrainerMixin) or they sit on a module the forward does "
-                       "not run (installed before PEFT wrapped the router?)")  # fmt: skip
+            out.append(
+                f"anchor {asked.anchor} asked, but its hooks saw no token ({w}): the step context is not "
+                "set (a trainer without rpb's AnchorTrainerMixin) or they sit on a module the forward does "
+                "not run (installed before PEFT wrapped the router?)"
+            )
         if method.loss is not None and anchor_installed:
             free = [(a, g) for a, g in zip(rows, lm_grads, strict=True) if not asked.frozen_at(a.layer)]
             no_router_grad = (
@@ -128,19 +138,27 @@ def contradictions(report: AuditReport, anchor_installed: bool, lm_grads: list[f
                 and not any(significant(a.anchor_grad or 0.0, g) for a, g in free)
             )
             if method.name == "lbl" and (report.anchor_reaches is False or no_router_grad):
-                out.append("lbl asked, but no load-balancing gradient reached the router (its term is never added "
-                           "to the loss, or is detached)")  # fmt: skip
+                out.append(
+                    "lbl asked, but no load-balancing gradient reached the router (its term is never added "
+                    "to the loss, or is detached)"
+                )
             elif report.anchor_reaches is False:
-                out.append(f"{method.name} asked, but its loss term reached no trainable parameter's gradient "
-                           "(never added to the loss, or detached)")  # fmt: skip
+                out.append(
+                    f"{method.name} asked, but its loss term reached no trainable parameter's gradient "
+                    "(never added to the loss, or detached)"
+                )
     aux_in = significant(report.loss["native_aux"], report.loss["lm"]) or any(
         significant(a.aux_grad, g) for a, g in zip(rows, lm_grads, strict=True)
     )
     if asked.native_aux is False and aux_in:
-        out.append(f"no native load-balancing loss asked, but the model's own is in the loss "
-                   f"({report.loss['native_aux']:+.3g} beside an LM loss of {report.loss['lm']:.4g}): set "
-                   "output_router_logits false or router_aux_loss_coef 0")  # fmt: skip
+        out.append(
+            f"no native load-balancing loss asked, but the model's own is in the loss "
+            f"({report.loss['native_aux']:+.3g} beside an LM loss of {report.loss['lm']:.4g}): set "
+            "output_router_logits false or router_aux_loss_coef 0"
+        )
     if asked.native_aux is True and not aux_in:
-        out.append("a native load-balancing loss asked, but none is in the loss (output_router_logits off, or "
-                   "its coefficient 0)")  # fmt: skip
+        out.append(
+            "a native load-balancing loss asked, but none is in the loss (output_router_logits off, or "
+            "its coefficient 0)"
+        )
     return out

@@ -115,16 +115,35 @@ def expert_graph(weights_EE: torch.Tensor) -> nx.Graph:
     return graph
 
 
-def louvain(weights_EE: torch.Tensor, seed: int, resolution: float = 1.0) -> tuple[torch.Tensor, float]:
-    """Louvain communities of one layer's eq. 1 graph: ``(labels_E, modularity)``.
+def directed_graph(weights_EE: torch.Tensor) -> nx.DiGraph:
+    """Directed weighted networkx graph, every expert a node, self-loops kept, edges in id order
+    (the expert-transition graph of ``rpb.retention.transitions``)."""
+    if weights_EE.dim() != 2 or weights_EE.shape[0] != weights_EE.shape[1]:
+        raise ValueError(f"weights must be a square [E, E] matrix, got shape {tuple(weights_EE.shape)}")
+    w = weights_EE.detach().to("cpu", torch.float64)
+    if (w < 0).any():
+        raise ValueError("transition weights must be non-negative")
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(w.shape[0]))
+    rows, cols = torch.nonzero(w > 0, as_tuple=True)
+    graph.add_weighted_edges_from(zip(rows.tolist(), cols.tolist(), w[rows, cols].tolist(), strict=True))
+    return graph
 
-    Labels are renumbered 0..C-1 in order of each community's smallest expert id, so equal
-    partitions always give equal label vectors. Isolated experts form singleton communities.
-    The modularity is the textbook weighted Q (resolution 1) of the returned partition, so values
-    stay comparable across ``resolution`` settings; it is NaN for a graph without edges (e.g. K = 1),
-    where modularity is undefined.
+
+def louvain(
+    weights_EE: torch.Tensor, seed: int, resolution: float = 1.0, directed: bool = False
+) -> tuple[torch.Tensor, float]:
+    """Louvain communities of one layer's graph: ``(labels_E, modularity)``.
+
+    ``directed=False``: the eq. 1 co-activation graph (``expert_graph``: symmetric weights, diagonal
+    ignored); ``directed=True``: a transition graph (``directed_graph``: diagonal kept, nothing
+    symmetrised), under directed modularity. Labels are renumbered 0..C-1 in order of each community's
+    smallest expert id, so equal partitions always give equal label vectors. Isolated experts form
+    singleton communities. The modularity is the textbook weighted Q (resolution 1) of the returned
+    partition, so values stay comparable across ``resolution`` settings; it is NaN for a graph without
+    edges (e.g. K = 1), where modularity is undefined.
     """
-    graph = expert_graph(weights_EE)
+    graph = directed_graph(weights_EE) if directed else expert_graph(weights_EE)
     # backend="networkx" pins the reference implementation even where a GPU backend is installed.
     communities = louvain_communities(graph, weight="weight", resolution=resolution, seed=seed, backend="networkx")
     communities = sorted(communities, key=min)

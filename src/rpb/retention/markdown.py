@@ -77,9 +77,11 @@ def fmt(value, digits: int | None = DIGITS) -> str:
     return str(round(value)) if digits is None else f"{value:.{digits}f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
-    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+def table(header: list[str], rows: list[list[str]], numbers: bool = True) -> list[str]:
+    """The lines of a markdown table; ``numbers``: every column after the first is right-aligned (``rpb
+    calibrate``'s report, whose cells hold intervals and lists, keeps them all left-aligned)."""
+    rule = ["---"] + ["---:" if numbers else "---"] * (len(header) - 1)
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|", *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def _layer_range(layers: list[int]) -> str:
@@ -119,7 +121,7 @@ def _summary(report: dict) -> list[str]:
             ["top-k overlap", *(fmt(mean.get(k)) for k in ("topk_overlap", "topk_overlap_q", "topk_overlap_a"))],
             ["NMI", fmt(mean.get("nmi")), "", ""],
         ]
-        lines += [*_table(["retention", "all tokens", "Q tokens", "A tokens"], rows), ""]
+        lines += [*table(["retention", "all tokens", "Q tokens", "A tokens"], rows), ""]
         rows = [
             [name, fmt(mean.get(base), d), fmt(mean.get(post), d)]
             for name, base, post, d in (
@@ -128,21 +130,21 @@ def _summary(report: dict) -> list[str]:
                 ("modularity", "modularity_base", "modularity_post", DIGITS),
             )
         ]
-        lines += [*_table(["structure", "base", "post-trained"], rows), ""]
+        lines += [*table(["structure", "base", "post-trained"], rows), ""]
     else:
         rows = [
             ["utilization entropy (bits)", fmt(mean.get("entropy_base_bits"))],
             ["communities", fmt(mean.get("communities_base"), 2)],
             ["modularity", fmt(mean.get("modularity_base"))],
         ]
-        lines += [*_table(["structure", "base"], rows), ""]
+        lines += [*table(["structure", "base"], rows), ""]
     return lines
 
 
 def _per_layer(report: dict) -> list[str]:
     columns = _PAIR_COLUMNS if report.get("post") is not None else _BASE_COLUMNS
     rows = [[fmt(layer.get(key), d) for _, key, d in columns] for layer in report.get("layers", [])]
-    return ["## Per layer", "", *_table([c[0] for c in columns], rows), ""]
+    return ["## Per layer", "", *table([c[0] for c in columns], rows), ""]
 
 
 _TRANSITION_COLUMNS = [
@@ -179,7 +181,7 @@ def _transitions(report: dict) -> list[str]:
         columns = [(h, k if k == "layer" else prefix + k, d) for h, k, d in _TRANSITION_COLUMNS]
         columns = [c for c in columns if c[1] in layers[0]]
         rows = [[fmt(layer.get(key), d) for _, key, d in columns] for layer in layers]
-        out += [f"## {title}", "", *_table([c[0] for c in columns], rows), ""]
+        out += [f"## {title}", "", *table([c[0] for c in columns], rows), ""]
     return [*out, _LEGEND_TRANSITIONS] if out else []
 
 

@@ -22,11 +22,11 @@ from rpb.data import collate, load_labelled
 from rpb.errors import ArgumentError, RpbError
 from rpb.fileio import output_folder
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
+from rpb.observe.trace import RouterTap, route_batch
 from rpb.retention.communities import louvain, nmi
 from rpb.retention.metrics import entropy_bits, jsd_bits, shares, tvd
 from rpb.retention.stats import SUBSETS, ModelRouting, PairedOverlap
-from rpb.retention.trace import RouterTap, route_batch
-from rpb.retention.transitions import directed_louvain, self_share, step_ids, transition_row_jsd, transition_tvd
+from rpb.retention.transitions import self_share, step_ids, transition_row_jsd, transition_tvd
 
 SCHEMA = "rpb_retention"
 
@@ -59,8 +59,16 @@ def select_rows(num_rows: int, max_rows: int | None, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(num_rows), max_rows))
 
 
-def collect_routing(models: list, layers: list, examples, batch_size: int, pad_id: int, progress: bool,
-                    transitions: bool = False, steps: list[list[int]] | None = None):  # fmt: skip
+def collect_routing(
+    models: list,
+    layers: list,
+    examples,
+    batch_size: int,
+    pad_id: int,
+    progress: bool,
+    transitions: bool = False,
+    steps: list[list[int]] | None = None,
+):
     """Stream the batches through every model; returns per-model ModelRouting and the paired overlap.
     ``steps``: each example's per-token answer step (``transitions.step_ids``) for the step level."""
     num_layers, num_experts = len(layers[0]), int(layers[0][0].router.weight.shape[0])
@@ -147,8 +155,9 @@ def build_report(info: dict, stats: list[ModelRouting], overlap: PairedOverlap |
     }
 
 
-def transition_figures(base: ModelRouting, post: ModelRouting | None, pos: int, seed, resolution, communities,
-                       level: str = "transitions") -> dict:  # fmt: skip
+def transition_figures(
+    base: ModelRouting, post: ModelRouting | None, pos: int, seed, resolution, communities, level: str = "transitions"
+) -> dict:
     """The fourth level (``rpb.retention.transitions``): directed transition communities of the base (and
     their NMI with the post-trained model's), the TVD of the two W and the utilization-weighted row JSD;
     ``level="step_transitions"`` gives the same figures for the step level, prefixed ``step_``."""
@@ -159,13 +168,16 @@ def transition_figures(base: ModelRouting, post: ModelRouting | None, pos: int, 
         communities.setdefault(f"{prefix}transitions_base", []).append(None)
         return {f"{prefix}transition_{k}": math.nan for k in keys}
     w_b = getattr(base, level).graph(pos)
-    lab_b, q_b = directed_louvain(w_b, seed=seed, resolution=resolution)
+    lab_b, q_b = louvain(w_b, seed=seed, resolution=resolution, directed=True)
     communities.setdefault(f"{prefix}transitions_base", []).append(lab_b.tolist())
-    row = {"transition_communities_base": int(lab_b.max()) + 1, "transition_modularity_base": q_b,
-           "transition_self_share_base": self_share(w_b)}  # fmt: skip
+    row = {
+        "transition_communities_base": int(lab_b.max()) + 1,
+        "transition_modularity_base": q_b,
+        "transition_self_share_base": self_share(w_b),
+    }
     if post is not None:
         w_p = getattr(post, level).graph(pos)
-        lab_p, _ = directed_louvain(w_p, seed=seed, resolution=resolution)
+        lab_p, _ = louvain(w_p, seed=seed, resolution=resolution, directed=True)
         communities.setdefault(f"{prefix}transitions_post", []).append(lab_p.tolist())
         row.update(
             transition_nmi=nmi(lab_b, lab_p),
@@ -229,10 +241,16 @@ def run_retention(
     if steps_by is not None:  # the step level comes with the token level
         transitions = True
         steps = [step_ids(e.input_ids, e.span_ids, lambda i: tok.decode([i]), steps_by) for e in examples]
-    stats, overlap = collect_routing(models, layers, examples, batch_size, pad_id_of(tok), progress, transitions,
-                                     steps)  # fmt: skip
-    info = {"base": str(base), "post": str(post) if post else None, "data": str(data_jsonl), "rows": len(rows),
-            **described[0], **({"steps_by": steps_by} if steps_by else {}), **data.template_settings}  # fmt: skip
+    stats, overlap = collect_routing(models, layers, examples, batch_size, pad_id_of(tok), progress, transitions, steps)
+    info = {
+        "base": str(base),
+        "post": str(post) if post else None,
+        "data": str(data_jsonl),
+        "rows": len(rows),
+        **described[0],
+        **({"steps_by": steps_by} if steps_by else {}),
+        **data.template_settings,
+    }
     report = build_report(info, stats, overlap, seed, resolution)
 
     with output_folder(out_dir, _owned) as out:  # published whole: a kill leaves the previous report or none

@@ -31,8 +31,15 @@ class ModelRouting:
         self.transitions = TransitionAccumulator(num_layers, num_experts) if transitions else None
         self.step_transitions = StepTransitionAccumulator(num_layers, num_experts) if steps else None
 
-    def add(self, pos: int, ids_TK: torch.Tensor, valid_T: torch.Tensor, span_T: torch.Tensor, rows: int = 1,
-            step_BT: torch.Tensor | None = None) -> None:  # fmt: skip
+    def add(
+        self,
+        pos: int,
+        ids_TK: torch.Tensor,
+        valid_T: torch.Tensor,
+        span_T: torch.Tensor,
+        rows: int = 1,
+        step_BT: torch.Tensor | None = None,
+    ) -> None:
         """One layer's routing of a batch of ``rows`` rows flattened row-major (transitions need the rows)."""
         for s, mask_T in enumerate(subset_masks(valid_T, span_T)):
             ids = ids_TK[mask_T].reshape(-1)
@@ -41,8 +48,9 @@ class ModelRouting:
                 self.tokens_S[s] += int(mask_T.sum())
         self.coactivation.add(pos, ids_TK, valid_T)
         if self.transitions is not None:
-            self.transitions.add(pos, ids_TK.view(rows, -1, ids_TK.shape[-1]), valid_T.view(rows, -1),
-                                 span_T.view(rows, -1))  # fmt: skip
+            self.transitions.add(
+                pos, ids_TK.view(rows, -1, ids_TK.shape[-1]), valid_T.view(rows, -1), span_T.view(rows, -1)
+            )
         if self.step_transitions is not None:
             self.step_transitions.add(pos, ids_TK.view(rows, -1, ids_TK.shape[-1]), step_BT, span_T.view(rows, -1))
 

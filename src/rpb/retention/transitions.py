@@ -9,7 +9,8 @@ experts hands over to another group. Per MoE layer, a directed graph counts thos
 for consecutive answer tokens t, t+1 of one row (k² pairs per step; nothing crosses rows, spans or
 padding). The diagonal -- an expert that persists -- is kept, and its share is reported. W is
 normalised as eq. 1 is, by the number of steps counted. Communities come from networkx's Louvain
-on the *directed* graph (directed modularity); nothing is symmetrised.
+on the *directed* graph (``communities.louvain(..., directed=True)``: directed modularity); nothing is
+symmetrised.
 
 Step level (``--steps-by REGEX``): an answer is cut into steps where the regex matches (a delimiter
 token belongs to the step it ends); each step's expert usage u_j (its selections, normalised) and the
@@ -22,9 +23,7 @@ from __future__ import annotations
 
 import re
 
-import networkx as nx
 import torch
-from networkx.algorithms.community import louvain_communities, modularity
 
 from rpb.prior import SPAN_A
 from rpb.retention.metrics import jsd_bits
@@ -67,35 +66,6 @@ class TransitionAccumulator:
         if steps <= 0:
             raise ValueError("empty selection: no consecutive answer tokens to count transitions over")
         return self.counts_LEE[pos] / steps
-
-
-def directed_graph(weights_EE: torch.Tensor) -> nx.DiGraph:
-    """Directed weighted networkx graph, every expert a node, self-loops kept, edges in id order."""
-    if weights_EE.dim() != 2 or weights_EE.shape[0] != weights_EE.shape[1]:
-        raise ValueError(f"weights must be a square [E, E] matrix, got shape {tuple(weights_EE.shape)}")
-    w = weights_EE.detach().to("cpu", torch.float64)
-    if (w < 0).any():
-        raise ValueError("transition weights must be non-negative")
-    graph = nx.DiGraph()
-    graph.add_nodes_from(range(w.shape[0]))
-    rows, cols = torch.nonzero(w > 0, as_tuple=True)
-    graph.add_weighted_edges_from(zip(rows.tolist(), cols.tolist(), w[rows, cols].tolist(), strict=True))
-    return graph
-
-
-def directed_louvain(weights_EE: torch.Tensor, seed: int, resolution: float = 1.0) -> tuple[torch.Tensor, float]:
-    """Louvain communities of a directed graph under directed modularity: ``(labels_E, modularity)``,
-    labels numbered by each community's smallest expert id (as ``communities.louvain``)."""
-    graph = directed_graph(weights_EE)
-    communities = sorted(
-        louvain_communities(graph, weight="weight", resolution=resolution, seed=seed, backend="networkx"), key=min
-    )
-    labels_E = torch.empty(graph.number_of_nodes(), dtype=torch.int64)
-    for label, members in enumerate(communities):
-        labels_E[sorted(members)] = label
-    if graph.number_of_edges() == 0:
-        return labels_E, float("nan")
-    return labels_E, float(modularity(graph, communities, weight="weight"))
 
 
 def self_share(weights_EE: torch.Tensor) -> float:
@@ -177,10 +147,13 @@ class StepTransitionAccumulator:
             # consecutive steps of one answer: the step after j starts right where j ends, inside an answer
             span_T = span_BT[b]
             positions = torch.nonzero(keep).flatten()
-            boundary = [(int(steps_T[positions[i]]) - first, int(steps_T[positions[i + 1]]) - first)
-                        for i in range(len(positions) - 1)
-                        if steps_T[positions[i + 1]] == steps_T[positions[i]] + 1
-                        and positions[i + 1] == positions[i] + 1 and span_T[positions[i + 1]] == SPAN_A]  # fmt: skip
+            boundary = [
+                (int(steps_T[positions[i]]) - first, int(steps_T[positions[i + 1]]) - first)
+                for i in range(len(positions) - 1)
+                if steps_T[positions[i + 1]] == steps_T[positions[i]] + 1
+                and positions[i + 1] == positions[i] + 1
+                and span_T[positions[i + 1]] == SPAN_A
+            ]
             for j, k in boundary:
                 self.counts_LEE[pos] += torch.outer(u_JE[j], u_JE[k])
                 self.steps_L[pos] += 1

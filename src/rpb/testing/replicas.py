@@ -30,6 +30,7 @@ class Family:
 
 
 #: the registry of shipped replicas: a family added here is built, tested and documented like the others
+# fmt: skip below: a table of data, kept aligned row by row (the formatter would put one item per line)
 FAMILIES = {
     f.name: f
     for f in (
@@ -52,6 +53,7 @@ FAMILIES = {
 #: the checkpoints replicated, by config file stem
 REPLICAS = tuple(FAMILIES)
 
+# fmt: skip below: a table of data, kept aligned row by row (the formatter would put one item per line)
 ROUTING_KEYS = (
     "model_type", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
     "n_routed_experts", "num_experts", "num_local_experts", "num_experts_per_tok", "n_shared_experts",
@@ -59,6 +61,7 @@ ROUTING_KEYS = (
 )  # fmt: skip
 
 #: widths of every family, small; the attention and MLA sizes too
+# fmt: skip below: a table of data, kept aligned row by row (the formatter would put one item per line)
 SHRUNK = {
     "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 8, "num_attention_heads": 4,
     "num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8,

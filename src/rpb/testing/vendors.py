@@ -51,8 +51,12 @@ def vendor_tokenizer(name: str) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     specials = sorted({*_MARKERS.findall(text), *(t for t in (bos, eos) if t)} - {None})
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos, chat_template=text,
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=eos,
+        chat_template=text,
         additional_special_tokens=specials,
-    )  # fmt: skip
+    )
     fast.add_tokens(extra)
     return fast

@@ -152,8 +152,10 @@ def training_batch(encoded, pad_id: int, recipe: BaseRecipe) -> dict[str, torch.
         batch["rpb_sample_index"] = torch.where(batch["attention_mask"] > 0, 0, -1)
         batch["rpb_span"] = torch.full_like(batch["input_ids"], STRUCTURAL)
         return batch
-    features = [{"input_ids": ids, "labels": labels, "sample_index": 0, "span_ids": [STRUCTURAL] * len(ids)}
-                for ids, labels in encoded]  # fmt: skip
+    features = [
+        {"input_ids": ids, "labels": labels, "sample_index": 0, "span_ids": [STRUCTURAL] * len(ids)}
+        for ids, labels in encoded
+    ]
     return AnchorCollator(pad_id=pad_id, pack=True, max_len=max(recipe.pack_len, *map(len, encoded)))(features)
 
 
@@ -188,8 +190,9 @@ def greedy_answers(
             prompts = [template.render_reference(to_messages(t))[0] for t in chunk]
             enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
             with token_mask(model):  # rpb's experts kernel skips the left padding (others ignore it)
-                out = model.generate(**enc, max_new_tokens=budget, do_sample=False, eos_token_id=eos,
-                                     pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                out = model.generate(
+                    **enc, max_new_tokens=budget, do_sample=False, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+                )
             answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
@@ -255,8 +258,14 @@ def pretrain(recipe: BaseRecipe, out_dir: Path, progress: bool = True, eval_per_
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     # the thread count fixes the kernels' summation order: the same recipe rebuilds bit for bit only with it
-    record = {"recipe": asdict(recipe), "steps": step, "seconds": time.perf_counter() - started,
-              "final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1), "heldout_exact_match": accuracy,
-              "threads": torch.get_num_threads(), "machine": machine()}  # fmt: skip
+    record = {
+        "recipe": asdict(recipe),
+        "steps": step,
+        "seconds": time.perf_counter() - started,
+        "final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1),
+        "heldout_exact_match": accuracy,
+        "threads": torch.get_num_threads(),
+        "machine": machine(),
+    }
     (out_dir / "recipe.json").write_text(json.dumps(record, indent=1))  # written last: the build is complete
     return record

@@ -13,21 +13,33 @@ import json
 import time
 from pathlib import Path
 
-from rpb.toyworld.experiment import GRIDS, Study
+from rpb.toyworld.experiment import Study
+from rpb.toyworld.grids import GRIDS
 from rpb.toyworld.lanes import default_lanes, lane_threads
 from rpb.toyworld.world import PostRecipe, base_dir, shipped_base
 
 
 def run_demo(
-    out_dir: str | Path = "rpb-demo", cache_dir: str | Path | None = None, progress: bool = True,
-    from_scratch: bool = False, lanes: int | None = None,
-) -> int:  # fmt: skip
+    out_dir: str | Path = "rpb-demo",
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    from_scratch: bool = False,
+    lanes: int | None = None,
+) -> int:
     """``lanes``: processes side by side (rpb.toyworld.lanes; default one per usable core)."""
     started = time.perf_counter()
     grid = GRIDS["demo"]
     lanes = lanes or default_lanes()
-    study = Study(Path(out_dir), grid, grid.post or PostRecipe(), Path(cache_dir) if cache_dir else None, progress,
-                  keep_checkpoints=True, shipped=not from_scratch, lanes=lanes)  # fmt: skip
+    study = Study(
+        Path(out_dir),
+        grid,
+        grid.post or PostRecipe(),
+        Path(cache_dir) if cache_dir else None,
+        progress,
+        keep_checkpoints=True,
+        shipped=not from_scratch,
+        lanes=lanes,
+    )
     where = base_dir(study.post.base, study.cache_dir)
     record = json.loads((where / "recipe.json").read_text()) if (where / "recipe.json").is_file() else None
     shipped = None if from_scratch else shipped_base(study.post.base)
@@ -52,6 +64,8 @@ def run_demo(
     tables = study.report(results)
     print()
     print(tables)
-    print(f"written: {study.out / 'tables.md'}, tradeoff.png, retention.png; per-run retention reports in "
-          f"{study.out / 'runs'}; {time.perf_counter() - started:.0f} s in all")  # fmt: skip
+    print(
+        f"written: {study.out / 'tables.md'}, tradeoff.png, retention.png; per-run retention reports in "
+        f"{study.out / 'runs'}; {time.perf_counter() - started:.0f} s in all"
+    )
     return 0

@@ -97,8 +97,9 @@ def run_jobs(jobs: Sequence[Job], lanes: int = 1, on_done: Callable[[Job], None]
     first: BaseException | None = None  # chained to the report: its lane's traceback comes with it
     pending, running = list(range(len(jobs))), {}  # running: Future -> index
     context = multiprocessing.get_context("spawn")  # a fork would copy this process's threads and locks
-    with ProcessPoolExecutor(lanes, mp_context=context, initializer=_start_lane,
-                             initargs=(lane_threads(lanes),)) as pool:  # fmt: skip
+    with ProcessPoolExecutor(
+        lanes, mp_context=context, initializer=_start_lane, initargs=(lane_threads(lanes),)
+    ) as pool:
         while running or (pending and not failures):
             ready = [i for i in pending if all(a in results for a in jobs[i].after)] if not failures else []
             for i in ready[: lanes - len(running)]:
@@ -118,6 +119,8 @@ def run_jobs(jobs: Sequence[Job], lanes: int = 1, on_done: Callable[[Job], None]
                     done(jobs[i])
     if failures:
         not_run = len(jobs) - len(results) - len(failures)
-        raise JobsFailedError(f"{len(failures)} job(s) failed ({not_run} not run; the {len(results)} finished "
-                              "kept their files):\n" + "\n".join(failures)) from first  # fmt: skip
+        raise JobsFailedError(
+            f"{len(failures)} job(s) failed ({not_run} not run; the {len(results)} finished "
+            "kept their files):\n" + "\n".join(failures)
+        ) from first
     return [results[i] for i in range(len(jobs))]

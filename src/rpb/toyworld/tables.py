@@ -20,8 +20,17 @@ from rpb.toyworld.stats import equivalent, interval, paired_differences, two_sta
 MECHANISM_KEYS = ("start_displacement", "bias_changed", "overlap_base", "overlap_prior")
 
 #: the long-trace table: exact match of the final line and of every line, static and transition retention
-COT_COLUMNS = ("id", "id_lines", "ood", "tvd", "nmi", "transition_tvd", "transition_row_jsd", "transition_nmi",
-               "step_transition_nmi")  # fmt: skip
+COT_COLUMNS = (
+    "id",
+    "id_lines",
+    "ood",
+    "tvd",
+    "nmi",
+    "transition_tvd",
+    "transition_row_jsd",
+    "transition_nmi",
+    "step_transition_nmi",
+)
 #: the table kinds a grid can ask for: title, columns, and whether its rows are every arm of the grid
 #: (in grid order) or only the arms whose method the methods table lists in this kind of table
 #: (``Method.tables``), in grid order too
@@ -40,11 +49,22 @@ TABLES: dict[str, tuple[str, tuple[str, ...], bool]] = {
 }
 #: exact-match figures, shown in percent (``id_lines``: a trace's lines, ``rpb.toyworld.tasks.line_accuracy``)
 PERCENT = ("id", "id_lines", "ood")
-HEADERS = {"id": "ID %", "id_lines": "ID lines %", "ood": "OOD %", "tvd": "TVD", "topk_overlap": "top-k overlap",
-           "nmi": "NMI", "transition_tvd": "transition TVD", "transition_row_jsd": "transition row JSD",
-           "transition_nmi": "transition NMI", "step_transition_nmi": "step NMI",
-           "start_displacement": "displaced before training", "bias_changed": "changed during training",
-           "overlap_base": "overlap with base sets", "overlap_prior": "overlap with prior top-k"}  # fmt: skip
+HEADERS = {
+    "id": "ID %",
+    "id_lines": "ID lines %",
+    "ood": "OOD %",
+    "tvd": "TVD",
+    "topk_overlap": "top-k overlap",
+    "nmi": "NMI",
+    "transition_tvd": "transition TVD",
+    "transition_row_jsd": "transition row JSD",
+    "transition_nmi": "transition NMI",
+    "step_transition_nmi": "step NMI",
+    "start_displacement": "displaced before training",
+    "bias_changed": "changed during training",
+    "overlap_base": "overlap with base sets",
+    "overlap_prior": "overlap with prior top-k",
+}
 
 
 def machine_mix(results: list[dict]) -> str:
@@ -56,8 +76,10 @@ def machine_mix(results: list[dict]) -> str:
     for r in results:
         torch = f" with torch {r['torch']}" if "torch" in r else unrecorded
         counts[(r.get("machine") or "machine not recorded", r.get("threads"), torch)] += 1
-    parts = [f"{n} on {m}" + (f" at {t} thread{'s' if t != 1 else ''}" if t else "") + v
-             for (m, t, v), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))]  # fmt: skip
+    parts = [
+        f"{n} on {m}" + (f" at {t} thread{'s' if t != 1 else ''}" if t else "") + v
+        for (m, t, v), n in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))
+    ]
     return f"Cells ran on: {'; '.join(parts)}." if parts else "Cells ran on: no cells."
 
 
@@ -112,9 +134,15 @@ def table(
 #: the long-trace grid's paired comparisons (arm, reference): each anchor against sft, each shuffled
 #: control against rpb (the paper's within-soft ~ rpb, asked again on the transition axis), and the two
 #: soft shuffles against each other
-TRACE_PAIRS = (("lbl", "sft"), ("rpb", "sft"), ("within-soft", "rpb"), ("within-hard", "rpb"),
-               ("within-transition-soft", "rpb"), ("within-transition-hard", "rpb"),
-               ("within-transition-soft", "within-soft"))  # fmt: skip
+TRACE_PAIRS = (
+    ("lbl", "sft"),
+    ("rpb", "sft"),
+    ("within-soft", "rpb"),
+    ("within-hard", "rpb"),
+    ("within-transition-soft", "rpb"),
+    ("within-transition-hard", "rpb"),
+    ("within-transition-soft", "within-soft"),
+)
 TRACE_PAIR_METRICS = ("id", "id_lines", "tvd", "nmi", "transition_tvd", "transition_nmi", "step_transition_nmi")
 
 
@@ -125,14 +153,20 @@ def paired_table(results: list[dict], post_set: str, pairs=TRACE_PAIRS, metrics=
     tests, the claims' rule)."""
     arms = {r["arm"] for r in results if r["set"] == post_set}
     head = ["arm − reference", *(HEADERS[m] for m in metrics), "static vs transition NMI", "ID ≈ (±2 points)"]
-    lines = [f"### {post_set}: paired differences on the same base and seed [95% CI]", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    lines = [
+        f"### {post_set}: paired differences on the same base and seed [95% CI]",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     way = {1: "up", -1: "down"}
     for arm, reference in pairs:
         if not {arm, reference} <= arms:
             continue
-        diffs = {m: paired_differences(results, post_set, arm, reference, m)
-                 for m in (*metrics, "id", "nmi", "transition_nmi")}  # fmt: skip
+        diffs = {
+            m: paired_differences(results, post_set, arm, reference, m)
+            for m in (*metrics, "id", "nmi", "transition_nmi")
+        }
         flat = {m: [v for vs in d.values() for v in vs] for m, d in diffs.items()}
         if len(flat["id"]) < 2:  # one pair has no spread to resample: its interval would be a point
             word = "one pair" if flat["id"] else "no pairs"
@@ -175,10 +209,14 @@ def plot_tradeoff(results: list[dict], sets: tuple[str, ...], arms: tuple[str, .
                 continue
             ids, oods = agg[(s, arm)]["id"], agg[(s, arm)]["ood"]
             sd = lambda v: statistics.stdev(v) if len(v) > 1 else 0.0  # noqa: E731
-            ax.errorbar(statistics.fmean(ids), statistics.fmean(oods), xerr=sd(ids), yerr=sd(oods), fmt="o",
-                        capsize=3)  # fmt: skip
-            ax.annotate(arm, (statistics.fmean(ids), statistics.fmean(oods)), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)  # fmt: skip
+            ax.errorbar(statistics.fmean(ids), statistics.fmean(oods), xerr=sd(ids), yerr=sd(oods), fmt="o", capsize=3)
+            ax.annotate(
+                arm,
+                (statistics.fmean(ids), statistics.fmean(oods)),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+            )
         ax.set_xlabel(f"ID exact match % ({s})")
         ax.set_ylabel("OOD exact match % (mean of base domains)")
         ax.set_title(s)
@@ -198,8 +236,9 @@ def plot_retention(results: list[dict], sets: tuple[str, ...], arms: tuple[str, 
 
     agg = aggregate(results)
     keys = ("tvd", "topk_overlap", "nmi")
-    fig, axes = plt.subplots(len(sets), len(keys), figsize=(4.2 * len(keys), 0.35 * len(arms) + 2.2 * len(sets)),
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(sets), len(keys), figsize=(4.2 * len(keys), 0.35 * len(arms) + 2.2 * len(sets)), squeeze=False
+    )
     for row, s in zip(axes, sets, strict=True):
         present = [a for a in arms if (s, a) in agg]
         for ax, key in zip(row, keys, strict=True):

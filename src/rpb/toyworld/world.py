@@ -34,10 +34,10 @@ from rpb.fileio import atomic_path
 from rpb.kernels import SORTED_EXPERTS
 from rpb.models import load_causal_lm, load_tokenizer
 from rpb.toyworld.base import BaseRecipe, default_cache_dir, greedy_answers, pretrain
+from rpb.toyworld.generators import POST_SETS
 from rpb.toyworld.knowledge import FACT_TEMPLATES
 from rpb.toyworld.tasks import (
     DOMAINS,
-    POST_SETS,
     TRACE_SETS,
     Task,
     is_correct,
@@ -126,8 +126,9 @@ def shipped_base(recipe: BaseRecipe, root: Path | None = None) -> Path | None:
             continue
         got = file_sha256(where / "model.safetensors")
         if got != pin["weights_sha256"]:
-            raise BaseMismatchError(f"{where / 'model.safetensors'}: sha256 {got}, pinned {pin['weights_sha256']} "
-                                    f"in {pins}")  # fmt: skip
+            raise BaseMismatchError(
+                f"{where / 'model.safetensors'}: sha256 {got}, pinned {pin['weights_sha256']} in {pins}"
+            )
         return where
     return None
 
@@ -222,12 +223,17 @@ def between_domain_jsd(base: Path, post: PostRecipe, batch_size: int = 64) -> fl
     load = {}
     for d in DOMAINS:
         tasks = eval_tasks(d, "test", post.probe_rows // len(DOMAINS), params)
-        examples = [Example(i, *label_row(template, MessagesRow(tuple(to_messages(t))), post.max_seq_len))
-                    for i, t in enumerate(tasks)]  # fmt: skip
+        examples = [
+            Example(i, *label_row(template, MessagesRow(tuple(to_messages(t))), post.max_seq_len))
+            for i, t in enumerate(tasks)
+        ]
         stats, _ = collect_routing([model], [layers], examples, batch_size, pad_id_of(tokenizer), progress=False)
         load[d] = stats[0].load_SLE[0]
-    values = [jsd_bits(shares(load[a][pos]), shares(load[b][pos])) for a, b in combinations(DOMAINS, 2)
-              for pos in range(len(layers))]  # fmt: skip
+    values = [
+        jsd_bits(shares(load[a][pos]), shares(load[b][pos]))
+        for a, b in combinations(DOMAINS, 2)
+        for pos in range(len(layers))
+    ]
     return sum(values) / len(values)
 
 
@@ -254,9 +260,17 @@ def score(model_dir: str | Path, post_set: str, post: PostRecipe, part: str = "t
 
 
 def train_cell(
-    base: Path, data_jsonl: Path, prior: Path | None, out: Path, method: str, seed: int, post: PostRecipe,
-    anchor: dict | None = None, progress: bool = True, label: str | None = None,
-) -> tuple[Path, float]:  # fmt: skip
+    base: Path,
+    data_jsonl: Path,
+    prior: Path | None,
+    out: Path,
+    method: str,
+    seed: int,
+    post: PostRecipe,
+    anchor: dict | None = None,
+    progress: bool = True,
+    label: str | None = None,
+) -> tuple[Path, float]:
     """``rpb train`` on one cell; returns the checkpoint directory and the training seconds."""
     from rpb.train import run_training
 
@@ -267,13 +281,19 @@ def train_cell(
         prior=str(prior) if prior and get_method(method).needs_prior else None,
         anchor=AnchorConfig(method=method, **({"router_transform": ROUTER_TRANSFORM} | (anchor or {}))),
         train=TrainSection(
-            max_steps=post.max_steps, seed=seed, lr=post.lr, batch_size=post.batch_size,
-            warmup_steps=post.warmup_steps, lr_scheduler=post.lr_scheduler, max_seq_len=post.max_seq_len,
-            log_every=10, deterministic=True,  # a cell redone after a kill scores the same
+            max_steps=post.max_steps,
+            seed=seed,
+            lr=post.lr,
+            batch_size=post.batch_size,
+            warmup_steps=post.warmup_steps,
+            lr_scheduler=post.lr_scheduler,
+            max_seq_len=post.max_seq_len,
+            log_every=10,
+            deterministic=True,  # a cell redone after a kill scores the same
             experts_implementation=post.experts_implementation,
         ),
         data=DataSection(seed=seed, packing=post.kernels == "fast"),
-    )  # fmt: skip
+    )
     started = time.perf_counter()
     run_training(cfg, callbacks=[_StepBar(label or f"{method} seed {seed}", progress)])
     return out, time.perf_counter() - started

@@ -87,13 +87,21 @@ class RpbPlugin(BasePlugin):
         meta = artifact.metadata if artifact is not None else {}
         self.max_seq_len = meta.get("max_seq_len") or cfg.sequence_len
         if cfg.sequence_len and cfg.sequence_len != self.max_seq_len:
-            raise ConfigError("axolotl YAML (rpb plugin)", [
-                f"sequence_len: {cfg.sequence_len}, but the prior was collected at max_seq_len {self.max_seq_len} "
-                "(the rows must be cut where the prior's were)"
-            ])  # fmt: skip
+            raise ConfigError(
+                "axolotl YAML (rpb plugin)",
+                [
+                    f"sequence_len: {cfg.sequence_len}, but the prior was collected at max_seq_len {self.max_seq_len} "
+                    "(the rows must be cut where the prior's were)"
+                ],
+            )
         self.tokenizer = load_tokenizer(cfg)
-        self.data = load_labelled(run.data_jsonl, self.tokenizer, self.max_seq_len,
-                                  run.section.chat_template_kwargs, meta.get("chat_template_date"))  # fmt: skip
+        self.data = load_labelled(
+            run.data_jsonl,
+            self.tokenizer,
+            self.max_seq_len,
+            run.section.chat_template_kwargs,
+            meta.get("chat_template_date"),
+        )
         note_reasoning(self.data.reasoning, self.data.template_settings)
         rows = as_dataset(self.data, run.loss_on)
         return TrainDatasetMeta(train_dataset=rows, total_num_steps=calculate_total_num_steps(cfg, rows))
@@ -101,13 +109,27 @@ class RpbPlugin(BasePlugin):
     def post_model_build(self, cfg, model):
         run = self._run(cfg)
         if self.data is None:
-            raise ConfigError("rpb plugin", ["the model was loaded before the plugin labelled the data: run "
-                                             "through axolotl's train entry (axolotl train config.yaml)"])  # fmt: skip
+            raise ConfigError(
+                "rpb plugin",
+                [
+                    "the model was loaded before the plugin labelled the data: run "
+                    "through axolotl's train entry (axolotl train config.yaml)"
+                ],
+            )
         self.handle, self.info = attach_anchor(
-            model, self.tokenizer, self.data, run.section.anchor, self.artifact, model_id=cfg.base_model,
-            prior_path=run.section.prior or "prior", tokenizer_id=cfg.tokenizer_config or cfg.base_model,
-            max_seq_len=self.max_seq_len, adapter=run.section.adapter, progress=False, seed=cfg.seed or 42,
-        )  # fmt: skip
+            model,
+            self.tokenizer,
+            self.data,
+            run.section.anchor,
+            self.artifact,
+            model_id=cfg.base_model,
+            prior_path=run.section.prior or "prior",
+            tokenizer_id=cfg.tokenizer_config or cfg.base_model,
+            max_seq_len=self.max_seq_len,
+            adapter=run.section.adapter,
+            progress=False,
+            seed=cfg.seed or 42,
+        )
 
     def post_model_load(self, cfg, model):
         if self.handle is not None and model is not self.handle.model:

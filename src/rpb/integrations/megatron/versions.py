@@ -39,6 +39,7 @@ class Line:
         return {"megatron-core": self.megatron_core, "transformers": self.transformers, "python": self.python}
 
 
+# fmt: skip below: a table of data, kept aligned row by row (the formatter would put one item per line)
 TESTED_LINES: tuple[Line, ...] = (
     # the reference release's line: imported on this machine's Python, with a transformers 4.x of its own and
     # what Bridge's SFT dataset imports (its other deps: Transformer Engine, ModelOpt, are GPU-only)
@@ -85,8 +86,10 @@ def version_warnings(found: dict[str, str | None]) -> list[str]:
         return [f"megatron-bridge is not installed here: training needs one of the tested lines ({tested})"]
     line = next((x for x in TESTED_LINES if Version(x.bridge) == Version(bridge)), None)
     if line is None:
-        return [f"megatron-bridge {bridge} is not a tested line ({tested}); the anchor's guard still checks the "
-                "effective configuration, but the glue has not met this release"]  # fmt: skip
+        return [
+            f"megatron-bridge {bridge} is not a tested line ({tested}); the anchor's guard still checks the "
+            "effective configuration, but the glue has not met this release"
+        ]
     out = []
     for name, spec in line.requirements().items():
         have = found.get(name)

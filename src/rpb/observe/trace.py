@@ -1,10 +1,10 @@
 """Reading a model's native routing over data (eval mode, no gradients, bias-free).
 
-``RouterTap`` captures every MoE layer's native ``(logits, topk_ids)`` during one
-forward; ``route_batch`` runs one collated batch through the decoder stack (the LM head is
-never computed). ``trace_topk`` streams a whole example list through a consumer. The
-shuffled-prior controls build base co-activation communities from it; the retention
-diagnostics pair two models' routing on the very same batches with it.
+``RouterTap`` keeps every MoE layer's native ``(logits, topk_ids)`` of the latest forward;
+``route_batch`` runs one collated batch through the decoder stack (the LM head is never
+computed). ``trace_topk`` streams a whole example list through a consumer. The shuffled-prior
+controls build base co-activation communities from it; the retention diagnostics pair two
+models' routing on the very same batches with it; calibration and expert choice read it too.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from rpb.adapters import MoELayer, UnsupportedModelError, router_output
+from rpb.adapters import MoELayer, UnsupportedModelError
 from rpb.data import Example, collate
+from rpb.observe.hooks import Hooks, RouterCall, on_router_calls
 
 #: consumer(layer_pos, topk_ids_TK, logits_TE, valid_T, span_T)
 Consumer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -27,31 +28,26 @@ def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class RouterTap:
-    """Forward hooks that keep each router's latest ``logits_TE`` and ``topk_ids_TK``; removed on exit."""
+    """Keeps each router's latest ``logits_TE`` and ``topk_ids_TK`` inside a ``with`` block; unhooked on exit."""
 
     def __init__(self, layers: list[MoELayer]):
         self.layers = layers
         self.logits: list[torch.Tensor | None] = [None] * len(layers)
         self.topk_ids: list[torch.Tensor | None] = [None] * len(layers)
-        self._handles = []
+        self._hooks = Hooks()
+
+    def _keep(self, call: RouterCall) -> None:
+        logits, _, topk_ids = call.read()
+        if topk_ids is None:
+            raise UnsupportedModelError(f"router {call.layer.name} returns no expert indices to trace")
+        self.logits[call.pos], self.topk_ids[call.pos] = logits, topk_ids
 
     def __enter__(self) -> RouterTap:
-        def hook(pos):
-            def fn(module, args, output):
-                logits, _, topk_ids = router_output(self.layers[pos], output)
-                if topk_ids is None:
-                    raise UnsupportedModelError(f"router {self.layers[pos].name} returns no expert indices to trace")
-                self.logits[pos], self.topk_ids[pos] = logits, topk_ids
-
-            return fn
-
-        self._handles = [m.router.register_forward_hook(hook(i)) for i, m in enumerate(self.layers)]
+        self._hooks = on_router_calls(self.layers, self._keep)
         return self
 
     def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._hooks.remove()
 
 
 @torch.inference_mode()

@@ -1,0 +1,153 @@
+"""The prior's commands: collect it, validate it, render rows for it, calibrate its beta."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rpb.cli.options import betas, model_options, template_kwargs_option
+from rpb.models import DTYPES
+from rpb.prior import ROUTER_TRANSFORMS
+
+
+def _collect(args) -> int:
+    from rpb.collect import collect
+
+    art = collect(
+        args.model,
+        args.data_jsonl,
+        args.out_path,
+        top_k=args.top_k,
+        max_seq_len=args.max_seq_len,
+        router_transform=args.router_transform,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        tokenizer_id=args.tokenizer,
+        adapter=args.adapter,
+        progress=not args.no_progress,
+        device=args.device,
+        chunk_rows=args.chunk_rows,
+        bucket=not args.no_bucket,
+        chat_template_kwargs=args.chat_template_kwargs,
+    )
+    n, _, layers, experts = art.prior_qa.shape
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank returns the artifact; one says so
+        print(f"wrote {args.out_path}: {n} samples x 2 spans x {layers} MoE layers x {experts} experts")
+    return 0
+
+
+def _validate(args) -> int:
+    from rpb.validate import validate_artifact
+
+    report = validate_artifact(
+        args.artifact,
+        data_jsonl=args.data_jsonl,
+        expected_model=args.expected_model,
+        expected_layers=args.expected_layers,
+        expected_experts=args.expected_experts,
+        expected_template_kwargs=args.chat_template_kwargs,
+    )
+    print(report.format(), file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _calibrate(args) -> int:
+    from rpb.calibrate import calibrate
+
+    report = calibrate(
+        args.model,
+        args.prior,
+        args.data_jsonl,
+        out=args.out,
+        betas=args.betas,
+        rows=args.rows,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        eps=args.eps,
+        c=args.c,
+        tokenizer=args.tokenizer,
+        trust_remote_code=args.trust_remote_code,
+        adapter=args.adapter,
+        dtype=args.dtype,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    for beta in report["betas"]:
+        m = report["displacement"]["mean"][f"{beta:g}"]["both"]
+        cf = report["displacement_counterfactual"]["mean"][f"{beta:g}"]["both"]
+        print(f"beta {beta:g}: displaced content tokens {m:.3f} (counterfactual {cf:.3f}), mean over MoE layers")
+    print(f"recommended beta: {report['recommended_beta']:g}")
+    print(f"wrote {args.out}/calibrate.json, calibrate.md and calibrate.png")
+    return 0
+
+
+def _render(args) -> int:
+    from rpb.data.render import render_file
+    from rpb.models import load_tokenizer
+
+    n = render_file(load_tokenizer(args.tokenizer, args.trust_remote_code), args.input, args.out)
+    print(f"wrote {n} rows to {args.out}")
+    return 0
+
+
+def add_commands(add) -> None:
+    """``add(name, help=...)`` makes a subparser that takes the options every command shares."""
+    c = add("collect", help="collect the frozen base model's routing prior over a JSONL file")
+    c.add_argument("--model", required=True, help="base checkpoint directory or hub id")
+    c.add_argument("--data-jsonl", required=True, help="training conversations, one JSON object per line")
+    c.add_argument("--out-path", required=True, help="where to write the .safetensors prior")
+    c.add_argument("--top-k", type=int, required=True, help="must equal the model's own top-k")
+    c.add_argument("--max-seq-len", type=int, required=True, help="right-truncate to this many routed positions")
+    c.add_argument("--router-transform", default="softmax", choices=ROUTER_TRANSFORMS)
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    c.add_argument("--tokenizer", help="tokenizer directory or hub id (default: --model)")
+    c.add_argument(
+        "--trust-remote-code", action="store_true", help="allow the tokenizer's own code (never the model's)"
+    )
+    c.add_argument("--adapter", help="route this model with the adapter of another model_type")
+    c.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    c.add_argument(
+        "--chunk-rows", type=int, default=256, help="rows per chunk written to <out>.partial/ (resume, shard unit)"
+    )
+    c.add_argument("--no-bucket", action="store_true", help="batch rows in file order, not by length")
+    template_kwargs_option(c)
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(func=_collect)
+
+    v = add("validate", help="check a prior artifact, optionally against its data and model")
+    v.add_argument("artifact")
+    v.add_argument("--data-jsonl")
+    v.add_argument("--expected-model")
+    v.add_argument("--expected-layers", type=int)
+    v.add_argument("--expected-experts", type=int)
+    template_kwargs_option(v, "the chat template keyword arguments the prior must have been collected with")
+    v.set_defaults(func=_validate)
+
+    k = add("calibrate", help="before training: how far the prior bias moves the frozen base's own expert choice")
+    k.add_argument("--model", required=True, help="the base the prior was collected on")
+    k.add_argument("--prior", required=True, help="the prior (rpb collect)")
+    k.add_argument("--data-jsonl", required=True, help="the file the prior was collected on")
+    k.add_argument("--out", required=True, help="directory for calibrate.json, calibrate.md and calibrate.png")
+    k.add_argument("--betas", type=betas, default=[0.1, 0.25, 0.5, 1.0, 2.0], help="comma-separated, e.g. 0.25,0.5,1")
+    k.add_argument(
+        "--rows", type=int, help="a seeded sample of this many rows (default: 256, or every row of a smaller file)"
+    )
+    k.add_argument("--seed", type=int, default=0, help="row sample and bootstrap seed")
+    k.add_argument("--eps", type=float, default=0.05)
+    k.add_argument("--c", type=float, default=5.0)
+    k.add_argument("--tokenizer", help="default: --model")
+    k.add_argument(
+        "--trust-remote-code", action="store_true", help="allow the tokenizer's own code (never the model's)"
+    )
+    model_options(k)
+    k.add_argument("--no-progress", action="store_true")
+    k.set_defaults(func=_calibrate)
+
+    r = add("render", help="turn question/answer rows into reference-form input/output rows")
+    r.add_argument("--tokenizer", required=True)
+    r.add_argument("--in", dest="input", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--trust-remote-code", action="store_true")
+    r.set_defaults(func=_render)

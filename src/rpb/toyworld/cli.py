@@ -1,0 +1,103 @@
+"""The toy world's commands, ``rpb demo`` and ``rpb experiment``, registered with the core command line
+through the ``rpb.commands`` entry point (pyproject.toml): the core never imports the toy world."""
+
+from __future__ import annotations
+
+import time
+
+from rpb.cli.options import LANES_HELP, positive_int
+
+
+def _demo(args) -> int:
+    from rpb.toyworld.demo import run_demo
+
+    return run_demo(
+        args.out,
+        cache_dir=args.cache_dir,
+        progress=not args.no_progress,
+        from_scratch=args.from_scratch,
+        lanes=args.lanes,
+    )
+
+
+def _experiment(args) -> int:
+    from rpb.toyworld.across import run_grid
+    from rpb.toyworld.grids import GRIDS
+    from rpb.toyworld.lanes import default_lanes
+    from rpb.toyworld.shipping import resume_from, ship
+
+    started = time.perf_counter()
+    out = args.out or f"rpb-experiment-{args.grid}"
+    if args.ship:
+        print(ship(GRIDS[args.grid], out, args.ship, args.cache_dir))
+        return 0
+    if args.resume_from:
+        print(resume_from(GRIDS[args.grid], out, args.resume_from))
+    tables = run_grid(
+        GRIDS[args.grid],
+        out,
+        args.cache_dir,
+        not args.no_progress,
+        args.keep_checkpoints,
+        lanes=args.lanes or default_lanes(),
+        bases=args.bases,
+    )
+    print(tables)
+    if args.bases is None or set(args.bases) >= set(GRIDS[args.grid].bases):
+        print(f"wrote {out}/tables.md and results.json ({time.perf_counter() - started:.0f} s this run)")
+    return 0
+
+
+def add_commands(add) -> None:
+    """``add(name, help=...)`` makes a subparser of ``rpb`` that takes the options every command shares."""
+    d = add("demo", help="the paper's study in miniature: toy base -> prior -> sft, lbl, rpb -> table")
+    d.add_argument("--out", default="rpb-demo")
+    d.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")
+    d.add_argument(
+        "--from-scratch",
+        action="store_true",
+        help="pretrain the base here instead of taking the repository's shipped one",
+    )
+    d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--lanes", type=positive_int, help=LANES_HELP)
+    d.set_defaults(func=_demo)
+
+    x = add("experiment", help="the toy-world study: every anchor x seeds x post-training sets, tables")
+    x.add_argument(
+        "--grid",
+        default="small",
+        choices=["headline", "full", "small", "beta", "cot"],
+        help="headline: sft, lbl, rpb, rpb at the calibrated beta x 5 seeds x 2 sets x 3 bases; full: every method "
+        "x 3 seeds x 2 sets x 3 bases; beta: rpb over beta, likewise; small: 4 methods x 1 seed on the math set; "
+        "cot: sft, lbl, rpb and the four within-* controls x 3 seeds on the long-trace set, base 0, with "
+        "transition retention",
+    )
+    x.add_argument("--out", help="output directory (default: rpb-experiment-<grid>); rerun to resume")
+    x.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")
+    x.add_argument("--keep-checkpoints", action="store_true", help="keep every trained model (about 20 MB each)")
+    x.add_argument("--no-progress", action="store_true")
+    x.add_argument("--lanes", type=positive_int, help=LANES_HELP)
+    x.add_argument(
+        "--bases",
+        type=int,
+        nargs="+",
+        metavar="SEED",
+        help="run only these of the grid's bases (this machine's share of it) and write no report; "
+        "`--ship DIR` from each machine's --out brings the bases together",
+    )
+    shipped = x.add_mutually_exclusive_group()
+    shipped.add_argument(
+        "--ship",
+        metavar="DIR",
+        help="train nothing: copy each base of --out whose runs are all finished to DIR/base<seed>/ "
+        "(its cells, set-up, selection, scores, calibration, facts), and the finished runs of a base "
+        "still running to DIR/unfinished/base<seed>/; then write the report over the whole bases "
+        "shipped in DIR (docs/results/<grid> in this repository)",
+    )
+    shipped.add_argument(
+        "--resume-from",
+        metavar="DIR",
+        help="first put the runs shipped in DIR (docs/results/<grid>: its bases and unfinished/) "
+        "into --out, so that they are read back instead of run again; then run the rest",
+    )
+    x.set_defaults(func=_experiment)
