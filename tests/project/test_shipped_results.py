@@ -2,8 +2,9 @@
 shipped cells, and each base's pinned set-up is today's grid on the shipped base (bases/bases.json) that it
 ran on.
 
-So the figures in docs/toyworld.md are the report's own and not typed in; a change to the grids, the
-statistics or the tables that would alter them fails here until the results are rerun or regenerated.
+So the figures in docs/toyworld.md, and forest.svg and claims.svg beside each tables.md, are the report's own
+and not typed in; a change to the grids, the statistics, the tables or the figures' drawing that would alter
+them fails here until the results are rerun or regenerated.
 No base is rebuilt: the report reads each base's facts and calibration from the shipped files.
 A grid under way ships base by base (rpb experiment --ship); its report covers the bases shipped so far.
 """
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from rpb.anchors import AnchorConfig, get_method
-from rpb.toyworld.experiment import GRIDS
+from rpb.toyworld.figures import CLAIMS, FOREST
+from rpb.toyworld.grids import GRIDS
 from rpb.toyworld.shipping import report_shipped, shipped_results, shipped_studies
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +32,8 @@ STUDY_GRIDS = ("headline", "beta", "full")
 UNDER_WAY: set[str] = set()  # every study grid is whole (issue 33)
 #: the grids with a base shipped whole (a grid may have only a base under way, in unfinished/)
 SHIPPED = [g for g in STUDY_GRIDS if any(p.is_dir() for p in (RESULTS / g).glob("base*"))]
+#: the figures the report draws beside tables.md (rpb.toyworld.figures)
+FIGURES = (FOREST, CLAIMS)
 RULE = hashlib.sha256((ROOT / "src" / "rpb" / "calibrate" / "rule.py").read_bytes()).hexdigest()
 
 
@@ -117,6 +121,8 @@ def test_each_base_pins_todays_grid(name):
 def test_the_shipped_tables_are_the_report_of_the_shipped_cells(name, tmp_path):
     grid, out = GRIDS[name], tmp_path / name
     shutil.copytree(RESULTS / name, out)
+    for f in FIGURES:  # the report must make them, not find them
+        (out / f).unlink()
     sts = shipped_studies(grid, out)
     results = [r for st in sts for r in shipped_results(st)]
     assert len(results) == len(_bases(name)) * len(grid.sets) * len(grid.arms) * len(grid.seeds)
@@ -128,6 +134,8 @@ def test_the_shipped_tables_are_the_report_of_the_shipped_cells(name, tmp_path):
     assert tables == (RESULTS / name / "tables.md").read_text()
     for f in ("results.json", "bases.json"):
         assert json.loads((out / f).read_text()) == json.loads((RESULTS / name / f).read_text())
+    for f in FIGURES:  # the shipped figures are the report's render of the shipped cells, byte for byte
+        assert (out / f).read_bytes() == (RESULTS / name / f).read_bytes(), f
 
 
 def test_the_headline_grid_has_its_120_cells():

@@ -9,12 +9,19 @@ from dataclasses import replace
 import pytest
 
 from rpb.toyworld.across import cost, run_grid, studies
-from rpb.toyworld.experiment import CALIBRATED, Arm, Grid
+from rpb.toyworld.grids import CALIBRATED, Arm, Grid
 from tests.toyworld_mini import MINI_POST
 
 POST = replace(MINI_POST, score_parts=("validation", "test"))
-GRID = Grid("mini-bases", ("math_post",), (Arm("sft", "sft"), Arm("rpb", "rpb"), CALIBRATED), (42,),
-            tables=("main", "mechanism"), bases=(0, 1), post=POST)  # fmt: skip
+GRID = Grid(
+    "mini-bases",
+    ("math_post",),
+    (Arm("sft", "sft"), Arm("rpb", "rpb"), CALIBRATED),
+    (42,),
+    tables=("main", "mechanism"),
+    bases=(0, 1),
+    post=POST,
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +67,10 @@ def test_the_report_across_bases(ran):
     assert all(h in tables for h in headings)
     assert "| RPB > SFT (math_post, ID) |" in tables and "| within-soft ≈ RPB (math_post, ID) | — |" in tables
     assert "b0 " in tables and "b1 " in tables  # each base's own difference
+    # the figures beside them: each method but sft a row of the forest plot, the claims run judged
+    forest, claims = ((root / "out" / f).read_text() for f in ("forest.svg", "claims.svg"))
+    assert ">rpb calibrated</text>" in forest and ">rpb</text>" in forest and ">sft</text>" not in forest
+    assert "RPB &gt; SFT (math_post, ID)" in claims and "within-soft" not in claims  # not run: left out
 
 
 def test_a_rerun_reads_every_cell_back(ran):
@@ -72,8 +83,15 @@ def test_a_rerun_reads_every_cell_back(ran):
 
 def _cell(base, method, seed, id_, ood, **anchor):
     v = {"id": id_, "ood": ood}
-    return {"set": "math_post", "base": base, "method": method, "arm": method, "seed": seed, "anchor": anchor,
-            "scores": {"validation": v, "test": {"id": 0.0, "ood": 0.0}}}  # fmt: skip
+    return {
+        "set": "math_post",
+        "base": base,
+        "method": method,
+        "arm": method,
+        "seed": seed,
+        "anchor": anchor,
+        "scores": {"validation": v, "test": {"id": 0.0, "ood": 0.0}},
+    }
 
 
 def test_the_beta_rule_regret_against_hand_computed_figures():
@@ -87,9 +105,12 @@ def test_the_beta_rule_regret_against_hand_computed_figures():
     # trails the best by 2, 4 and 6 points
     for base in (0, 1):
         for seed, sft_id, rule_id in zip(seeds, (0.38, 0.40, 0.42), (0.38, 0.36, 0.34), strict=True):
-            results += [_cell(base, "sft", seed, sft_id, 0.40), _cell(base, "rpb", seed, 0.30, 0.30),
-                        _cell(base, "rpb", seed, rule_id, 0.36, beta=0.5),
-                        _cell(base, "lbl", seed, 0.9, 0.9)]  # fmt: skip
+            results += [
+                _cell(base, "sft", seed, sft_id, 0.40),
+                _cell(base, "rpb", seed, 0.30, 0.30),
+                _cell(base, "rpb", seed, rule_id, 0.36, beta=0.5),
+                _cell(base, "lbl", seed, 0.9, 0.9),
+            ]
     rows = regret_table(results, {(0, "math_post"): 0.0, (1, "math_post"): 0.5, (2, "math_post"): 0.25})
     lines = rows.splitlines()
     # base 0: the rule's beta is the best: regret 0 on every seed
@@ -118,5 +139,6 @@ def test_a_grid_without_sft_pairs_each_beta_with_its_beta_0_arm():
     assert row[5].startswith("+0.0 [+0.0, +0.0]") and "Δ ID vs rpb beta=0 [95% CI]" in table
     assert "Minimal detectable difference against rpb beta=0" in table and "4 pairs" in table
     # with an sft arm, sft stays the reference
-    assert "minus sft on the same base" in scores_table([{**r, "arm": "sft"} for r in results[:1]], "math_post",
-                                                        ("sft", *arms))  # fmt: skip
+    assert "minus sft on the same base" in scores_table(
+        [{**r, "arm": "sft"} for r in results[:1]], "math_post", ("sft", *arms)
+    )

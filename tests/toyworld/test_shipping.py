@@ -12,7 +12,8 @@ import pytest
 
 from rpb.cli import main
 from rpb.toyworld.across import studies
-from rpb.toyworld.experiment import GRIDS, GridChangedError
+from rpb.toyworld.experiment import GridChangedError
+from rpb.toyworld.grids import GRIDS
 from rpb.toyworld.shipping import NotFinishedError, cell_paths, resume_from, ship, ship_base, shipped_studies
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,9 +27,14 @@ FILES = 3 + 2 + 4 + 3 + 40
 def _run_folder(tmp_path) -> Path:
     run = tmp_path / "run"
     shutil.copytree(HEADLINE / "base0", run / "base0")
-    extra = ("priors/math_post.safetensors", "data/math_post.train.jsonl", "base_routing/report.json",
-            "runs/math_post/sft/seed42/model/model.safetensors", "runs/math_post/sft/seed42/retention/report.json",
-            "selection/lbl-0.01/model/config.json")  # fmt: skip
+    extra = (
+        "priors/math_post.safetensors",
+        "data/math_post.train.jsonl",
+        "base_routing/report.json",
+        "runs/math_post/sft/seed42/model/model.safetensors",
+        "runs/math_post/sft/seed42/retention/report.json",
+        "selection/lbl-0.01/model/config.json",
+    )
     for junk in extra:
         (run / "base0" / junk).parent.mkdir(parents=True, exist_ok=True)
         (run / "base0" / junk).write_text("not for the repository")
@@ -47,11 +53,17 @@ def test_a_finished_base_ships_its_result_files_and_nothing_else(tmp_path):
     assert "base 1: not shipped" in said and "not started" in said and not (dest / "base1").exists()
     # the report over the one base shipped: its title says so, and its results are that base's 40 cells
     assert (dest / "tables.md").read_text().startswith("# Toy-world study: grid `headline` on bases [0]")
-    cells = sorted((json.loads(p.read_text()) for p in (HEADLINE / "base0" / "runs").glob("*/*/*/result.json")),
-                   key=lambda r: (r["set"], r["arm"], r["seed"]))  # fmt: skip
+    cells = sorted(
+        (json.loads(p.read_text()) for p in (HEADLINE / "base0" / "runs").glob("*/*/*/result.json")),
+        key=lambda r: (r["set"], r["arm"], r["seed"]),
+    )
     assert json.loads((dest / "results.json").read_text()) == cells and len(cells) == 40
     assert list(json.loads((dest / "bases.json").read_text())) == ["0"]
     assert [st.base_seed for st in shipped_studies(GRID, dest)] == [0]
+    # and its figures beside the tables, the one base's (the whole grid's are in docs/results/headline)
+    forest = (dest / "forest.svg").read_text()
+    assert "rpb calibrated" in forest and forest != (HEADLINE / "forest.svg").read_text()
+    assert "Grid `headline`: the paper" in (dest / "claims.svg").read_text()
 
 
 def test_rpb_experiment_ship_trains_nothing_and_ships_again_the_same(tmp_path, capsys):
@@ -63,7 +75,10 @@ def test_rpb_experiment_ship_trains_nothing_and_ships_again_the_same(tmp_path, c
     assert _files(dest / "base0") == _files(HEADLINE / "base0")
     # nothing was made in the run folder: what it held before, the three folders _run_folder added
     assert {p.name for p in (run / "base0").iterdir()} == {p.name for p in (HEADLINE / "base0").iterdir()} | {
-        "base_routing", "data", "priors"}  # fmt: skip
+        "base_routing",
+        "data",
+        "priors",
+    }
 
 
 def test_a_base_with_unfinished_runs_is_refused_with_every_one_named(tmp_path):
@@ -108,8 +123,11 @@ def test_a_base_still_running_keeps_its_finished_runs_aside_until_it_ships_whole
     assert not (dest / "base0").exists() and not (dest / "tables.md").exists()
     # its pinned set-up and its 40 finished runs (43 less the 3 unfinished: 38 cells, 2 selection runs), byte
     # for byte, and nothing else: no scores, calibration, facts, data, priors or checkpoints
-    finished = {k: v for k, v in _files(HEADLINE / "base0").items()
-                if k.endswith("result.json") and not k.startswith(unfinished)}  # fmt: skip
+    finished = {
+        k: v
+        for k, v in _files(HEADLINE / "base0").items()
+        if k.endswith("result.json") and not k.startswith(unfinished)
+    }
     assert _files(kept) == {"grid.json": (HEADLINE / "base0" / "grid.json").read_bytes(), **finished}
     assert len(finished) == 40
     # two more runs finish: the kept folder grows; the last one: the base ships whole, the kept folder goes

@@ -5,7 +5,8 @@ for bit) on the same (base, seed) and give the mean difference with
 a 95% interval from the two-stage bootstrap (bases, then seeds within them), each base's own mean
 difference beside it, and under each table the minimal detectable difference of those pairs. Then
 the mechanism (what the bias did to the routing), each base's calibrated beta, the paper's claims
-with computed verdicts, and -- where the beta grid ran -- the beta rule's regret.
+with computed verdicts, and -- where the beta grid ran -- the beta rule's regret. Beside the tables, the same
+differences and verdicts as figures (rpb.toyworld.figures): ``forest.svg`` and ``claims.svg``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from rpb.anchors import AnchorConfig, get_method
 from rpb.errors import RpbError
 from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.claims import judge, verdict_table
-from rpb.toyworld.experiment import Grid, Study
+from rpb.toyworld.experiment import Study
+from rpb.toyworld.figures import Difference, write_figures
+from rpb.toyworld.grids import Grid
 from rpb.toyworld.stats import interval, minimal_detectable_difference, paired_differences, points, two_stage_bootstrap
 from rpb.toyworld.tables import machine_mix
 from rpb.toyworld.world import PostRecipe
@@ -27,8 +30,12 @@ REFERENCE = "sft"
 #: a first estimate of one cell's minutes on 2 CPU cores with the grids' recipe (train, score both parts,
 #: retention, mechanism), replaced by the mean of finished cells once there are some
 FIRST_ESTIMATE_MINUTES = 2.5
-MECHANISM = {"start_displacement": "displaced before training", "bias_changed": "changed during training",
-             "overlap_base": "overlap with base sets", "overlap_prior": "overlap with prior top-k"}  # fmt: skip
+MECHANISM = {
+    "start_displacement": "displaced before training",
+    "bias_changed": "changed during training",
+    "overlap_base": "overlap with base sets",
+    "overlap_prior": "overlap with prior top-k",
+}
 
 
 def _mean_sd(values: list[float], digits: int = 1) -> str:
@@ -48,22 +55,42 @@ def reference_arm(results: list[dict], arms: tuple[str, ...]) -> str:
     return zero[0] if zero else REFERENCE
 
 
-def _difference(results, post_set, arm, metric, reference=REFERENCE) -> tuple[str, str, list[float]]:
-    d = paired_differences(results, post_set, arm, reference, metric)
-    if not d:
+def differences(results: list[dict], post_set: str, arms: tuple[str, ...]) -> list[Difference]:
+    """Each method (in ``arms``' order) minus the reference arm on ``post_set``, ID then OOD: the paired
+    differences and the 95% interval of their mean from the two-stage bootstrap (bases, then seeds)."""
+    ref = reference_arm(results, arms)
+    ran = {r["arm"] for r in results if r["set"] == post_set}
+    found = []
+    for arm in arms:
+        if arm == ref or arm not in ran:
+            continue
+        for metric in ("id", "ood"):
+            d = paired_differences(results, post_set, arm, ref, metric)
+            if d:
+                found.append(Difference(post_set, arm, metric, ref, d, *interval(two_stage_bootstrap(d))))
+    return found
+
+
+def _difference(found: dict[tuple[str, str], Difference], arm: str, metric: str) -> tuple[str, str, list[float]]:
+    d = found.get((arm, metric))
+    if d is None:
         return "—", "—", []
-    lo, hi = interval(two_stage_bootstrap(d))
-    flat = [v for vs in d.values() for v in vs]
-    per_base = " / ".join(f"b{b} {statistics.fmean(v):+.1f}" for b, v in sorted(d.items()))
-    return f"{statistics.fmean(flat):+.1f} [{lo:+.1f}, {hi:+.1f}]", per_base, flat
+    per_base = " / ".join(f"b{b} {statistics.fmean(v):+.1f}" for b, v in sorted(d.per_base.items()))
+    return f"{d.mean:+.1f} [{d.lo:+.1f}, {d.hi:+.1f}]", per_base, d.values
 
 
 def bases_table(studies: list) -> str:
     """Each base: held-out exact match of its pretraining evaluation, routing structure on the probe set."""
     facts = [st.base_facts() for st in studies]
     domains = list(facts[0]["heldout_exact_match"])
-    header = ["base", *(f"{d} %" for d in domains), "modularity", "communities", "between-domain JSD (bits)",
-              "weights sha256"]  # fmt: skip
+    header = [
+        "base",
+        *(f"{d} %" for d in domains),
+        "modularity",
+        "communities",
+        "between-domain JSD (bits)",
+        "weights sha256",
+    ]
     lines = ["### The bases", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for f in facts:
         em = [f"{100 * f['heldout_exact_match'][d]:.1f}" for d in domains]
@@ -72,14 +99,25 @@ def bases_table(studies: list) -> str:
     return "\n".join(lines) + "\n"
 
 
-def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> str:
+def scores_table(
+    results: list[dict], post_set: str, arms: tuple[str, ...], found: list[Difference] | None = None
+) -> str:
+    """``found``: ``differences(results, post_set, arms)``, when the caller has them already."""
     rows = [r for r in results if r["set"] == post_set]
     ref = reference_arm(results, arms)
+    by = {(d.arm, d.metric): d for d in (differences(results, post_set, arms) if found is None else found)}
     named = ref if ref == REFERENCE else f"{ref} (sft bit for bit)"
-    header = ["method"] + [f"{m} %" if k == 0 else f"Δ {m} vs {ref} [95% CI]" if k == 1 else f"Δ {m} per base"
-                           for m in ("ID", "OOD") for k in range(3)]  # fmt: skip
-    lines = [f"### {post_set}: exact match, and each method minus {named} on the same base and seed", "",
-             "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]  # fmt: skip
+    header = ["method"] + [
+        f"{m} %" if k == 0 else f"Δ {m} vs {ref} [95% CI]" if k == 1 else f"Δ {m} per base"
+        for m in ("ID", "OOD")
+        for k in range(3)
+    ]
+    lines = [
+        f"### {post_set}: exact match, and each method minus {named} on the same base and seed",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---" * len(header) + "|",
+    ]
     mdd = []
     for arm in arms:
         cells = [r for r in rows if r["arm"] == arm]
@@ -87,22 +125,28 @@ def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> s
             continue
         row = [arm]
         for metric in ("id", "ood"):
-            estimate, per_base, flat = _difference(results, post_set, arm, metric, ref) if arm != ref else ("", "", [])
+            estimate, per_base, flat = _difference(by, arm, metric) if arm != ref else ("", "", [])
             row += [_mean_sd([points(r, metric) for r in cells]), estimate, per_base]
             if len(flat) > 1:
                 sd = statistics.stdev(flat)
                 mdd.append(f"{arm} {metric.upper()} {minimal_detectable_difference(sd, len(flat)):.1f} (sd {sd:.1f})")
         lines.append("| " + " | ".join(row) + " |")
     pairs = len([r for r in rows if r["arm"] == ref])
-    legend = (f"Minimal detectable difference against {ref} (α 0.05 two-sided, power 0.8, t with pairs − 1 degrees "
-              f"of freedom on the paired SD; {pairs} pairs), points: ")  # fmt: skip
+    legend = (
+        f"Minimal detectable difference against {ref} (α 0.05 two-sided, power 0.8, t with pairs − 1 degrees "
+        f"of freedom on the paired SD; {pairs} pairs), points: "
+    )
     lines += ["", legend + ("; ".join(mdd) or "n/a"), ""]
     return "\n".join(lines)
 
 
 def mechanism_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> str:
-    lines = [f"### {post_set}: what the training did to the routing (content tokens, mean ± sd over cells)", "",
-             "| method | " + " | ".join(MECHANISM.values()) + " |", "|---" * (len(MECHANISM) + 1) + "|"]  # fmt: skip
+    lines = [
+        f"### {post_set}: what the training did to the routing (content tokens, mean ± sd over cells)",
+        "",
+        "| method | " + " | ".join(MECHANISM.values()) + " |",
+        "|---" * (len(MECHANISM) + 1) + "|",
+    ]
     for arm in arms:
         cells = [r["mechanism"] for r in results if r["set"] == post_set and r["arm"] == arm and "mechanism" in r]
         if cells:
@@ -149,41 +193,63 @@ def regret_table(results: list[dict], calibrated: dict[tuple[int, str], float]) 
         lo, hi = interval(two_stage_bootstrap(diffs))
         regret = f"{statistics.fmean(diffs[0]):+.1f} [{lo:+.1f}, {hi:+.1f}]"
         compared = ", ".join(f"{b:g}" for b in sorted(grid))
-        lines.append(f"| {label} | {post_set} | {rule_beta:g} | {compared} | {best:g} | {regret} | "
-                     f"{'yes' if lo <= 0 <= hi else 'no'} |")  # fmt: skip
+        lines.append(
+            f"| {label} | {post_set} | {rule_beta:g} | {compared} | {best:g} | {regret} | "
+            f"{'yes' if lo <= 0 <= hi else 'no'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def report_across(grid, studies: list, results: list[dict], out: Path) -> str:
-    """tables.md and results.json across the bases; returns the tables."""
+    """tables.md, results.json, bases.json and the figures (rpb.toyworld.figures) across the bases; returns
+    the tables."""
     arms = tuple(a.label for a in grid.arms)
-    parts = [f"# Toy-world study: grid `{grid.name}` on bases {list(grid.bases)}", "", bases_table(studies),
-             machine_mix(results), ""]  # fmt: skip
+    parts = [
+        f"# Toy-world study: grid `{grid.name}` on bases {list(grid.bases)}",
+        "",
+        bases_table(studies),
+        machine_mix(results),
+        "",
+    ]
+    found = {s: differences(results, s, arms) for s in grid.sets}
     for s in grid.sets:
-        parts.append(scores_table(results, s, arms))
+        parts.append(scores_table(results, s, arms, found[s]))
     if any("mechanism" in r for r in results):
         parts += [mechanism_table(results, s, arms) for s in grid.sets]
-    calibrated = {(st.base_seed, s): st.calibrated_beta(s) for st in studies for s in grid.sets
-                  if any(a.calibrated for a in grid.arms) or grid.name == "beta"}  # fmt: skip
+    calibrated = {
+        (st.base_seed, s): st.calibrated_beta(s)
+        for st in studies
+        for s in grid.sets
+        if any(a.calibrated for a in grid.arms) or grid.name == "beta"
+    }
     if calibrated:
-        parts += ["### Calibrated beta per base and set (`rpb calibrate`, rule in rpb/calibrate/rule.py)", "",
-                  "| base | " + " | ".join(grid.sets) + " |", "|---" * (len(grid.sets) + 1) + "|"]  # fmt: skip
+        parts += [
+            "### Calibrated beta per base and set (`rpb calibrate`, rule in rpb/calibrate/rule.py)",
+            "",
+            "| base | " + " | ".join(grid.sets) + " |",
+            "|---" * (len(grid.sets) + 1) + "|",
+        ]
         for st in studies:
             parts.append(
                 f"| {st.base_seed} | " + " | ".join(f"{calibrated[(st.base_seed, s)]:g}" for s in grid.sets) + " |"
             )
         parts.append("")
     if calibrated:
-        parts += ["### The beta rule against the best beta the grid ran (criterion: mean of ID and OOD on the "
-                  "validation part; base 0 is in-sample: the rule was written knowing it)", "",
-                  regret_table(results, calibrated)]  # fmt: skip
-    parts += ["### The paper's claims, judged by rule (docs/toyworld.md)", "", verdict_table(judge(results, grid.sets))]
+        parts += [
+            "### The beta rule against the best beta the grid ran (criterion: mean of ID and OOD on the "
+            "validation part; base 0 is in-sample: the rule was written knowing it)",
+            "",
+            regret_table(results, calibrated),
+        ]
+    verdicts = judge(results, grid.sets)
+    parts += ["### The paper's claims, judged by rule (docs/toyworld.md)", "", verdict_table(verdicts)]
     tables = "\n".join(parts)
     write_text_atomic(out / "tables.md", tables)
     write_json_atomic(
         out / "results.json", sorted(results, key=lambda r: (r.get("base", 0), r["set"], r["arm"], r["seed"]))
     )
     write_json_atomic(out / "bases.json", {st.base_seed: st.base_facts() for st in studies})
+    write_figures(out, f"Grid `{grid.name}`", [d for s in grid.sets for d in found[s]], verdicts)
     return tables
 
 
@@ -197,8 +263,10 @@ def studies(
     """One Study per base: in ``out`` itself for a one-base grid, in ``out/base<seed>/`` otherwise."""
     post = grid.post or PostRecipe()
     where = [Path(out)] if len(grid.bases) == 1 else [Path(out) / f"base{b}" for b in grid.bases]
-    return [Study(w, grid, post, cache_dir, progress, keep_checkpoints, base_seed=b, lanes=lanes)
-            for w, b in zip(where, grid.bases, strict=True)]  # fmt: skip
+    return [
+        Study(w, grid, post, cache_dir, progress, keep_checkpoints, base_seed=b, lanes=lanes)
+        for w, b in zip(where, grid.bases, strict=True)
+    ]
 
 
 def cost(grid: Grid, sts: list[Study]) -> str:
@@ -211,17 +279,27 @@ def cost(grid: Grid, sts: list[Study]) -> str:
     minutes = [sum(r["seconds"].values()) / 60 for r in done if "seconds" in r]
     each = statistics.fmean(minutes) if minutes else FIRST_ESTIMATE_MINUTES
     left, lanes = per_base * len(sts) - len(done), max(sts[0].lanes, 1)
-    return (f"grid {grid.name}: {len(sts)} base(s) x ({len(grid.sets)} set(s) x {len(grid.arms)} arm(s) x "
-            f"{len(grid.seeds)} seed(s) + {selection} weight-selection run(s)) = {per_base * len(sts)} runs; "
-            f"{len(done)} done, {left} to run, about {left * each / lanes:.0f} min on this machine "
-            f"({each:.1f} min a run, {'measured on the finished ones' if minutes else 'a first estimate'}"
-            f"{f', {lanes} side by side' if lanes > 1 else ''}), "
-            "plus base pretraining where a base is neither cached nor shipped in bases/ (about 10 minutes "
-            "each)")  # fmt: skip
+    return (
+        f"grid {grid.name}: {len(sts)} base(s) x ({len(grid.sets)} set(s) x {len(grid.arms)} arm(s) x "
+        f"{len(grid.seeds)} seed(s) + {selection} weight-selection run(s)) = {per_base * len(sts)} runs; "
+        f"{len(done)} done, {left} to run, about {left * each / lanes:.0f} min on this machine "
+        f"({each:.1f} min a run, {'measured on the finished ones' if minutes else 'a first estimate'}"
+        f"{f', {lanes} side by side' if lanes > 1 else ''}), "
+        "plus base pretraining where a base is neither cached nor shipped in bases/ (about 10 minutes "
+        "each)"
+    )
 
 
-def run_grid(grid: Grid, out: Path, cache_dir=None, progress: bool = True, keep_checkpoints: bool = False,
-             announce=print, lanes: int = 1, bases: list[int] | None = None) -> str:  # fmt: skip
+def run_grid(
+    grid: Grid,
+    out: Path,
+    cache_dir=None,
+    progress: bool = True,
+    keep_checkpoints: bool = False,
+    announce=print,
+    lanes: int = 1,
+    bases: list[int] | None = None,
+) -> str:
     """Every base's cells (finished ones are read back), then the report; returns the tables. ``lanes``: runs
     side by side (rpb.toyworld.lanes). ``bases``: run only these of the grid's bases (one machine's share of
     it, each base pinned as in the whole grid) and write no report: it needs every base, brought together
@@ -235,9 +313,11 @@ def run_grid(grid: Grid, out: Path, cache_dir=None, progress: bool = True, keep_
     announce(cost(grid, sts))
     results = [r for st in sts for r in st.run()]
     if len(sts) < len(grid.bases):
-        return (f"ran base(s) {[st.base_seed for st in sts]} of grid {grid.name!r} ({len(results)} cells) in "
-                f"{out}: no report, which needs all of {list(grid.bases)}; `rpb experiment --ship DIR` brings "
-                "each machine's bases together")  # fmt: skip
+        return (
+            f"ran base(s) {[st.base_seed for st in sts]} of grid {grid.name!r} ({len(results)} cells) in "
+            f"{out}: no report, which needs all of {list(grid.bases)}; `rpb experiment --ship DIR` brings "
+            "each machine's bases together"
+        )
     if len(sts) == 1:
         return sts[0].report(results)
     return report_across(grid, sts, results, Path(out))

@@ -9,9 +9,9 @@ A base still running keeps its finished runs in ``unfinished/base<seed>/`` (with
 the report never reads: ``rpb experiment --resume-from docs/results/<grid>`` puts every shipped run back in
 a fresh run folder, so a grid goes on across machines without rerunning a finished cell.
 
-Beside the base folders, ``tables.md``, ``results.json`` and ``bases.json`` are the report over the bases
-shipped so far (its title names them); tests/project/test_shipped_results.py makes it again from the shipped
-files alone, so a figure in them is always the code's own.
+Beside the base folders, ``tables.md``, ``results.json``, ``bases.json``, ``forest.svg`` and ``claims.svg`` are
+the report over the bases shipped so far (its title names them); tests/project/test_shipped_results.py makes
+it again from the shipped files alone, so a figure in them is always the code's own.
 """
 
 from __future__ import annotations
@@ -26,14 +26,21 @@ from rpb.anchors import get_method
 from rpb.errors import RpbError
 from rpb.fileio import atomic_path
 from rpb.toyworld.across import report_across, studies
-from rpb.toyworld.experiment import Grid, GridChangedError, Study, _quiet_loading
+from rpb.toyworld.experiment import GridChangedError, Study, _quiet_loading
+from rpb.toyworld.grids import Grid
 from rpb.toyworld.world import PostRecipe
 
 #: what a base's report reads back, as glob patterns under its run folder
 SHIPPED_FILES = (
-    "grid.json", "selection.json", "base_facts.json", "base_scores/*.json", "calibration/*/calibrate.json",
-    "calibration/*/calibrate.md", "selection/*/result.json", "runs/*/*/*/result.json",
-)  # fmt: skip
+    "grid.json",
+    "selection.json",
+    "base_facts.json",
+    "base_scores/*.json",
+    "calibration/*/calibrate.json",
+    "calibration/*/calibrate.md",
+    "selection/*/result.json",
+    "runs/*/*/*/result.json",
+)
 
 
 #: where a base with unfinished runs keeps its finished ones, under the grid's shipping folder
@@ -47,8 +54,9 @@ class NotFinishedError(RpbError):
 def cell_paths(st: Study) -> list[Path]:
     """Every result file a base of the grid owes: its cells in the grid's order, then its selection runs."""
     g = st.grid
-    cells = [st.out / "runs" / s / a.slug / f"seed{seed}" / "result.json"
-             for s in g.sets for a in g.arms for seed in g.seeds]  # fmt: skip
+    cells = [
+        st.out / "runs" / s / a.slug / f"seed{seed}" / "result.json" for s in g.sets for a in g.arms for seed in g.seeds
+    ]
     if g.coefficients is None:
         weighted = sorted({a.method for a in g.arms if get_method(a.method).coefficient})
         cells += [st.out / "selection" / f"{m}-{w:g}" / "result.json" for m in weighted for w in g.candidates[m]]
@@ -138,8 +146,11 @@ def resume_from(grid: Grid, out: Path, dest: Path) -> str:
 def shipped_studies(grid: Grid, dest: Path) -> list[Study]:
     """A Study over each base folder shipped in ``dest``, in the grid's order (nothing is built)."""
     post = grid.post or PostRecipe()
-    return [Study(Path(dest) / f"base{b}", grid, post, progress=False, base_seed=b)
-            for b in grid.bases if (Path(dest) / f"base{b}" / "grid.json").is_file()]  # fmt: skip
+    return [
+        Study(Path(dest) / f"base{b}", grid, post, progress=False, base_seed=b)
+        for b in grid.bases
+        if (Path(dest) / f"base{b}" / "grid.json").is_file()
+    ]
 
 
 def shipped_results(st: Study) -> list[dict]:
@@ -149,7 +160,8 @@ def shipped_results(st: Study) -> list[dict]:
 
 
 def report_shipped(grid: Grid, dest: Path) -> str:
-    """tables.md, results.json and bases.json in ``dest`` over the bases shipped there; returns the tables."""
+    """tables.md, results.json, bases.json and the figures in ``dest`` over the bases shipped there; returns the
+    tables."""
     sts = shipped_studies(grid, dest)
     if not sts:
         raise NotFinishedError(f"{dest}: no base of grid {grid.name!r} shipped")
@@ -174,13 +186,15 @@ def ship(grid: Grid, out: Path, dest: Path, cache_dir=None) -> str:
         except NotFinishedError as err:
             lines.append(f"base {st.base_seed}: not shipped ({err})")
             if (st.out / "grid.json").is_file() and any(p.is_file() for p in cell_paths(st)):
-                lines.append(f"base {st.base_seed}: {len(keep_unfinished(st, dest))} finished runs kept in {kept} "
-                             "(not in the report; rpb experiment --resume-from takes them back)")  # fmt: skip
+                lines.append(
+                    f"base {st.base_seed}: {len(keep_unfinished(st, dest))} finished runs kept in {kept} "
+                    "(not in the report; rpb experiment --resume-from takes them back)"
+                )
     with contextlib.suppress(OSError):  # no base left unfinished
         (Path(dest) / UNFINISHED).rmdir()
     if not shipped_studies(grid, dest):
         lines.append(f"no whole base in {dest} yet: no report written")
         return "\n".join(lines)
     report_shipped(grid, dest)
-    lines.append(f"wrote {Path(dest) / 'tables.md'}, results.json and bases.json over the shipped bases")
+    lines.append(f"wrote {Path(dest) / 'tables.md'}, results.json, bases.json and the figures over the shipped bases")
     return "\n".join(lines)
