@@ -6,13 +6,13 @@ BIN    := $(VENV)/bin
 # A CPU build of PyTorch: an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv demo test lint mutants clean
+.PHONY: venv demo test lint docs mutants clean
 
 $(BIN)/rpb: pyproject.toml tests/integrations/axolotl/pins.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,docs]"
 	echo "$(TORCH)" > $(VENV)/torch-pin.txt && $(BIN)/python -m pip install --quiet -c $(VENV)/torch-pin.txt -e ".[megatron,trl,peft]"
 	@# each tested Megatron-Bridge line in a folder of its own (its wheels, no dependencies resolved into the
 	@# venv), for the contract tests, which put one folder at a time on PYTHONPATH (docs/megatron.md)
@@ -37,7 +37,12 @@ lint: venv
 	$(BIN)/symilar -d 6 --ignore-comments --ignore-docstrings $$(find src/rpb -name '*.py' | sort) | tee $(VENV)/symilar.txt
 	@grep -q '^TOTAL .* duplicates=0 ' $(VENV)/symilar.txt || { echo "lint: duplicated blocks in src/ (above)"; exit 1; }
 
-test: venv lint
+# the documentation site, built strictly (a broken link, a page outside the nav, a missing API name fail); the
+# pages go to $(VENV)/site, never into the tree
+docs: venv
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(abspath $(VENV))/site
+
+test: venv lint docs
 	$(BIN)/python -m pytest -q
 
 # every mutant of tests/mutants/catalogue.py against the tests that must catch it (docs/testing.md)

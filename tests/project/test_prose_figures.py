@@ -1,8 +1,8 @@
-"""Figures in prose come from data: the headline grid's numbers in the README and docs/toyworld.md are checked
-against the shipped report (docs/results/headline/tables.md, itself regenerated from the shipped cells by
-tests/project/test_shipped_results.py), so rerunning the grid makes the prose fail here until it is updated.
-Results whose cells are not shipped are marked "not reproducible from the repository" where they are quoted;
-only the named exceptions below may be."""
+"""Figures in prose come from data: the grids' numbers quoted in the README, docs/study.md and docs/toyworld.md are
+checked against the shipped reports (docs/results/<grid>/tables.md, themselves regenerated from the shipped cells
+by tests/project/test_shipped_results.py), so rerunning a grid makes the prose fail here until it is updated.
+The reports are linked, never copied. Results whose cells are not shipped are marked "not reproducible from the
+repository" where they are quoted; only the named exceptions below may be."""
 
 from __future__ import annotations
 
@@ -12,12 +12,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLES = (ROOT / "docs" / "results" / "headline" / "tables.md").read_text()
+DOCS = ROOT / "docs"
+TABLES = (DOCS / "results" / "headline" / "tables.md").read_text()
 README = (ROOT / "README.md").read_text()
-TOYWORLD = (ROOT / "docs" / "toyworld.md").read_text()
+TOYWORLD = (DOCS / "toyworld.md").read_text()
+#: what each grid found, in prose (the README's verdict lines stand on it)
+STUDY = (DOCS / "study.md").read_text()
+COT = (DOCS / "cot.md").read_text()
+ARCHIVE = (DOCS / "results" / "archive" / "one-base.md").read_text()
 MARK = "not reproducible from the repository"
-#: the sections of docs/toyworld.md whose results have no shipped cells, each marked so
-EXCEPTIONS = ("## The demo", "## Long reasoning traces: the `cot` grid", "## Earlier results: one base")
+#: the results with no shipped cells, each marked where quoted: (page, the section or paragraph that quotes them)
+EXCEPTIONS = (
+    ("STUDY", "On long traces (the `cot` grid"),
+    ("COT", "# Long reasoning traces: the `cot` grid"),
+    ("ARCHIVE", "# Archive: one base"),
+    ("ARCHIVE", "## The demo before the shipped bases"),
+)
+GRIDS = ("headline", "beta", "full")
 
 
 def sections(text: str, level: str) -> dict[str, str]:
@@ -58,13 +69,18 @@ CALIBRATED = "Calibrated beta per base and set (`rpb calibrate`, rule in rpb/cal
 
 
 def negated(interval: str) -> str:
-    """'-1.5 [-2.3, -0.6]' -> '1.5 [0.6, 2.3]' (the README says "below")."""
+    """'-1.5 [-2.3, -0.6]' -> '1.5 [0.6, 2.3]' (the summary says "below")."""
     est, lo, hi = (float(x) for x in re.findall(r"[-+]?\d+\.\d+", interval))
     return f"{-est:.1f} [{-hi:.1f}, {-lo:.1f}]"
 
 
+def summary() -> str:
+    """docs/study.md's summary of every grid (its section "The study so far"), where the README's figures went."""
+    return STUDY.split("## The study so far", 1)[1].split("\n## ", 1)[0]
+
+
 def readme_figures() -> list[tuple[str, str]]:
-    """(what the README must say, where it comes from) for each headline figure it quotes."""
+    """(what docs/study.md's summary must say, where it comes from) for each headline figure it quotes."""
     math, code = table(OUTCOME.format("math_post")), table(OUTCOME.format("code_post"))
     displaced = [float(table(ROUTING.format(s))["rpb"]["displaced before training"].split(" ± ")[0]) for s in
                  ("math_post", "code_post")]  # fmt: skip
@@ -83,76 +99,133 @@ def readme_figures() -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(("phrase", "source"), readme_figures(), ids=[s for _, s in readme_figures()])
-def test_each_headline_figure_in_the_readme_is_the_shipped_reports(phrase, source):
-    assert flat(phrase) in flat(README), f"README does not say {phrase!r} ({source} in docs/results/headline/tables.md)"
+def test_each_headline_figure_in_the_study_is_the_shipped_reports(phrase, source):
+    assert flat(phrase) in flat(summary()), (
+        f"study.md's summary does not say {phrase!r} ({source} in docs/results/headline/tables.md)"
+    )
 
 
-def test_the_readmes_verdicts_are_the_shipped_reports():
+def test_the_studys_headline_verdicts_are_the_shipped_reports():
     claims = table("The paper's claims, judged by rule (docs/toyworld.md)")
     verdicts = {row["verdict"] for row in claims.values()}
-    assert "reproduces" not in verdicts and "no claim of the paper reproduces" in flat(README)
+    assert "reproduces" not in verdicts and "no claim of the paper reproduces" in flat(STUDY)
     beta_rule = rows(
         "The beta rule against the best beta the grid ran (criterion: mean of ID and OOD on the validation part; "
         "base 0 is in-sample: the rule was written knowing it)"
     )
     agree = sum(row["agrees"] == "yes" for row in beta_rule)
     assert len(beta_rule) == 6 and {row["betas compared"] for row in beta_rule} == {"0, 0.25, 1"}
-    assert f"within noise of the best of the betas run (0, 0.25, 1) on {agree} of six base-and-set pairs" in flat(
-        README
-    )
-    (miss,) = [row for row in beta_rule if row["agrees"] == "no"]  # the README names the one pair that disagrees
+    assert f"within noise of the best of the betas run (0, 0.25, 1) on {agree} of six base-and-set pairs" in flat(STUDY)
+    (miss,) = [row for row in beta_rule if row["agrees"] == "no"]  # the summary names the one pair that disagrees
     regret = miss["regret (points) [95% CI over seeds]"].replace("+", "")
-    assert f"base {miss['base']}'s math set preferred beta {miss['best beta']} by {regret} points" in flat(README)
+    assert f"base {miss['base']}'s math set preferred beta {miss['best beta']} by {regret} points" in flat(STUDY)
 
 
-def test_the_headline_tables_in_docs_toyworld_are_the_shipped_reports():
-    shipped = sections(TABLES, "###")
-    quoted = sections(TOYWORLD.split("## The headline grid: three bases", 1)[1].split("\n## ", 1)[0], "####")
-    assert quoted and set(quoted) <= set(shipped)
-    for title, body in quoted.items():
-        if title.startswith("The paper's claims"):  # the claims this grid does not run are left out
-            rows = [ln for ln in body.splitlines() if ln.startswith("|")]
-            assert all(ln in shipped[title].splitlines() for ln in rows), title
-        else:
-            assert body == shipped[title], title
+def report_rows(text: str) -> set[str]:
+    """Every data row of a report's tables (header and rule rows left out)."""
+    lines = text.splitlines()
+    return {ln for i, ln in enumerate(lines) if ln.startswith("| ") and i >= 2 and lines[i - 1].startswith("|")
+            and not set(ln) <= set("|- ")}  # fmt: skip
+
+
+def copied_rows(page: str) -> list[str]:
+    """The rows of a shipped grid's report that a page copies."""
+    shipped = set().union(*(report_rows((DOCS / "results" / g / "tables.md").read_text()) for g in GRIDS))
+    return [ln for ln in page.splitlines() if ln in shipped]
+
+
+def test_the_reports_are_linked_not_copied():
+    for name in ("README", "TOYWORLD", "STUDY"):
+        assert copied_rows(globals()[name]) == [], name
+    for grid in GRIDS:
+        link = f"](results/{grid}/tables.md)"
+        assert link in TOYWORLD and link in grid_text(grid), grid
+
+
+def grid_text(grid: str) -> str:
+    """docs/study.md's section on one grid."""
+    title = {"headline": "The headline grid: three bases", "beta": "The beta grid: six betas",
+             "full": "The full grid: every method"}[grid]  # fmt: skip
+    return STUDY.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
 
 
 def test_results_without_shipped_cells_are_marked_where_quoted():
-    for heading in EXCEPTIONS:
-        body = TOYWORLD.split(heading, 1)[1].split("\n## ", 1)[0]
-        assert MARK in flat(body), heading
-    # the README quotes the cot grid, whose cells are not shipped
-    cot = README.split("On long traces (the `cot` grid", 1)[1].split("\n\n", 1)[0]
-    assert MARK in flat(cot)
-    assert flat(README).count(MARK) + flat(TOYWORLD).count(MARK) == 1 + len(EXCEPTIONS)  # nothing else may be
+    pages = {name: globals()[name] for name in ("README", "TOYWORLD", "STUDY", "COT", "ARCHIVE")}
+    for name, start in EXCEPTIONS:
+        body = pages[name].split(start, 1)[1]
+        if start.startswith("## "):  # a section, to the next of its level
+            body = body.split("\n## ", 1)[0]
+        elif not start.startswith("# "):  # a paragraph (a page's title stands for the whole page)
+            body = body.split("\n\n", 1)[0]
+        assert MARK in flat(body), (name, start)
+    assert sum(flat(text).count(MARK) for text in pages.values()) == len(EXCEPTIONS)  # nothing else may be
 
 
 @pytest.mark.parametrize(
     ("page", "figure", "typo"),
-    [("README", "0.8 [-0.1, 1.6]", "0.9 [-0.1, 1.6]"), ("README", "80–83%", "80–84%"),
-     ("TOYWORLD", "| rpb | 73.2 ± 0.9 |", "| rpb | 73.3 ± 0.9 |")],
+    [("STUDY", "0.8 [-0.1, 1.6]", "0.9 [-0.1, 1.6]"), ("STUDY", "80–83%", "80–84%"),
+     ("STUDY", "validation points).", "validation points).\n\n| rpb | 73.2 ± 0.9 | -0.8 [-1.6, +0.1] | b0 -1.4 / "
+      "b1 -0.1 / b2 -1.0 | 27.0 ± 6.8 | -0.1 [-0.9, +0.9] | b0 -0.5 / b1 -0.4 / b2 +0.7 |\n"),
+     ("README", "6 reproduce, 0 are contradicted, 30", "7 reproduce, 0 are contradicted, 29")],
 )  # fmt: skip
 def test_mutant_figure_edited_without_the_data_is_caught(page, figure, typo, monkeypatch):
     text = globals()[page]
     assert figure in text
-    monkeypatch.setitem(globals(), page, text.replace(figure, typo))
+    monkeypatch.setitem(globals(), page, text.replace(figure, typo, 1))
 
-    def readme():
+    def study():
         for phrase, source in readme_figures():
-            test_each_headline_figure_in_the_readme_is_the_shipped_reports(phrase, source)
+            test_each_headline_figure_in_the_study_is_the_shipped_reports(phrase, source)
 
+    check = {"README": test_the_readmes_verdict_lines_are_the_shipped_reports, "STUDY": study}[page]
+    if "| rpb |" in typo:
+        check = test_the_reports_are_linked_not_copied
     with pytest.raises(AssertionError):
-        (test_the_headline_tables_in_docs_toyworld_are_the_shipped_reports if page == "TOYWORLD" else readme)()
+        check()
+
+
+def verdict_line(grid: str, report: str) -> str:
+    """The README's line on one grid: its claims' verdicts after Holm's adjustment, counted from its report."""
+    from collections import Counter
+
+    body = sections(report, "###")
+    claims = table_rows(body[next(t for t in body if t.startswith("The paper's claims"))])
+    holm = Counter(r["Holm-adjusted"] for r in claims)
+    judged = len(claims) - holm["not run"]
+    if not judged:
+        return f"`{grid}` "
+    return (f"of {judged} claims judged, {holm['reproduces']} reproduce, {holm['contradicted']} are contradicted, "
+            f"{holm['inconclusive']} inconclusive.")  # fmt: skip
+
+
+def test_the_readmes_verdict_lines_are_the_shipped_reports():
+    """One line per shipped grid, in the README's verdict list, each stating that grid's computed verdicts."""
+    lines = README.split("<!-- verdicts", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert [ln.split("`")[1] for ln in lines] == list(GRIDS) and len(lines) <= 8
+    for grid, line in zip(GRIDS, lines, strict=True):
+        expected = verdict_line(grid, (DOCS / "results" / grid / "tables.md").read_text())
+        assert expected in line, (grid, expected)
+    assert "judges no claim" in lines[GRIDS.index("beta")]
+
+
+def test_the_verdict_line_follows_its_report():
+    report = (DOCS / "results" / "full" / "tables.md").read_text()
+    before = verdict_line("full", report)
+    (row,) = [ln for ln in report.splitlines() if ln.startswith("| within-hard well below RPB (code_post, ID)")]
+    after = verdict_line(
+        "full", report.replace(row, row.replace("| reproduces | reproduces |", "| reproduces | inconclusive |"))
+    )
+    assert before != after and "5 reproduce" in after and "31 inconclusive" in after
 
 
 def test_the_headline_sections_prose_is_the_shipped_grid():
-    """The cell count and the weight each base's selection chose, as docs/toyworld.md states them."""
+    """The cell count and the weight each base's selection chose, as docs/study.md states them."""
     import json
 
     shipped = ROOT / "docs" / "results" / "headline"
     chosen = [json.loads((shipped / f"base{b}" / "selection.json").read_text())["chosen"]["lbl"] for b in range(3)]
     cells = len(list(shipped.glob("base*/runs/*/*/seed*/result.json")))
-    section = flat(TOYWORLD.split("## The headline grid: three bases", 1)[1].split("####", 1)[0])
+    section = flat(grid_text("headline"))
     assert f"{cells} cells" in section
     assert ", ".join(f"{w} on base {b}" for b, w in enumerate(chosen)) in section
 
@@ -169,16 +242,14 @@ def test_shipped_so_far_names_the_bases_in_order():
     assert [shipped_so_far(b) for b in ([0], [0, 1], [0, 1, 2])] == ["base 0 of 3", "bases 0 and 1 of 3", ""]
 
 
-def grid_section(name: str, title: str, quoted_tables: int) -> tuple[Path, list[int], str, dict[str, str]]:
-    """A three-base grid's section of docs/toyworld.md, checked against its shipped report: the tables it quotes
-    (above its "**What ..." prose) are the report's, its heading says which bases are shipped while the grid
-    is under way, and it counts the shipped cells. Returns the shipped folder, bases, the section's text and
-    the report's tables."""
+def grid_section(name: str, title: str) -> tuple[Path, list[int], str, dict[str, str]]:
+    """A three-base grid's section of docs/study.md, checked against its shipped report: it links the report
+    and copies none of its tables, its heading says which bases are shipped while the grid is under way, and it
+    counts the shipped cells. Returns the shipped folder, bases, the section's text and the report's tables."""
     shipped = ROOT / "docs" / "results" / name
     report = sections((shipped / "tables.md").read_text(), "###")
-    heading, body = TOYWORLD.split(f"## {title}", 1)[1].split("\n## ", 1)[0].split("\n", 1)
-    quoted = sections(body.split("**What ", 1)[0], "####")
-    assert len(quoted) == quoted_tables and all(report[t] == table for t, table in quoted.items())
+    heading, body = STUDY.split(f"## {title}", 1)[1].split("\n## ", 1)[0].split("\n", 1)
+    assert f"](results/{name}/tables.md)" in body and not sections(body, "####") and copied_rows(body) == []
     bases = sorted(int(p.name.removeprefix("base")) for p in shipped.glob("base*") if p.is_dir())
     cells = len(list(shipped.glob("base*/runs/*/*/seed*/result.json")))
     under_way = shipped_so_far(bases)
@@ -188,11 +259,11 @@ def grid_section(name: str, title: str, quoted_tables: int) -> tuple[Path, list[
 
 
 def test_the_beta_grids_section_is_its_shipped_report():
-    """The beta grid's tables in docs/toyworld.md are its shipped report's, its heading and cell count follow the
+    """The beta grid's section in docs/study.md links its shipped report, its heading and cell count follow the
     bases shipped, and the cross-machine agreement it states is computed from both grids' shipped cells."""
     import json
 
-    shipped, bases, body, _ = grid_section("beta", "The beta grid: six betas", quoted_tables=5)
+    shipped, bases, body, _ = grid_section("beta", "The beta grid: six betas")
     beta = json.loads((shipped / "results.json").read_text())
     headline = json.loads((ROOT / "docs" / "results" / "headline" / "results.json").read_text())
     gaps = []
@@ -204,9 +275,10 @@ def test_the_beta_grids_section_is_its_shipped_report():
     assert len(gaps) == 6 * len(bases) and f"differ by at most {max(gaps):.1f} points seed by seed" in flat(body)
 
 
-def test_the_readmes_beta_grid_figures_are_its_shipped_reports():
-    """The README's beta-grid sentence: the pooled math differences, the code cost at beta 4, and the rule's
-    agreement over the (base, set) pairs shipped, with every pair it disagrees on named, from the report."""
+def test_the_studys_beta_grid_figures_are_its_shipped_reports():
+    """docs/study.md's beta-grid summary: the pooled math differences, the code cost at beta 4 (which the
+    README's verdict line quotes too), and the rule's agreement over the (base, set) pairs shipped, with every
+    pair it disagrees on named, from the report."""
     report = sections((ROOT / "docs" / "results" / "beta" / "tables.md").read_text(), "###")
 
     def by_arm(post_set: str) -> dict[str, list[str]]:
@@ -226,16 +298,17 @@ def test_the_readmes_beta_grid_figures_are_its_shipped_reports():
     phrases += [f"beta {r[4]} beat it on base {r[0].split()[0]} (by {r[5].replace('+', '')} validation points)"
                 for r in rule if r[6].strip() == "no"]  # fmt: skip
     for phrase in phrases:
-        assert flat(phrase) in flat(README), phrase
+        assert flat(phrase) in flat(STUDY), phrase
+    assert flat(phrases[2]) in flat(README)
 
 
 def test_the_full_grids_section_is_its_shipped_report():
-    """The full grid's tables in docs/toyworld.md are its shipped report's; the weights each shipped base's
+    """The full grid's section in docs/study.md links its shipped report; the weights each shipped base's
     selection chose and the count of verdicts it states are the shipped files'; no claim is left "not run"."""
     import json
     from collections import Counter
 
-    shipped, bases, body, report = grid_section("full", "The full grid: every method", quoted_tables=5)
+    shipped, bases, body, report = grid_section("full", "The full grid: every method")
     text = flat(body).lower()
     for b in bases:
         chosen = json.loads((shipped / f"base{b}" / "selection.json").read_text())["chosen"]
@@ -244,15 +317,13 @@ def test_the_full_grids_section_is_its_shipped_report():
     plain, holm = Counter(r["verdict"] for r in claims), Counter(r["Holm-adjusted"] for r in claims)
     assert plain["not run"] == 0 and len(claims) == 36
     under_way = shipped_so_far(bases)
-    assert (f"is under way ({under_way} shipped)" in flat(README)) == bool(under_way)
+    assert (f"is under way ({under_way} shipped)" in flat(STUDY)) == bool(under_way)
     for phrase in [] if under_way else full_readme_phrases(report, holm):
-        assert flat(phrase) in flat(README), phrase
+        assert flat(phrase) in flat(STUDY), phrase
     # base 2's runs on the lent machine: the torch build each one records
     builds = [json.loads(p.read_text()).get("torch", "") for p in shipped.glob("**/base2/**/result.json")]
     lent = sum(b.startswith("2.11") for b in builds)
-    assert lent and f"first {lent} ran in 16 one-thread lanes on a 16-core Intel Xeon under torch 2.11" in flat(
-        TOYWORLD
-    )
+    assert lent and f"first {lent} ran in 16 one-thread lanes on a 16-core Intel Xeon under torch 2.11" in flat(STUDY)
     assert flat(
         f"Of the {len(claims)} claims judged, {plain['reproduces']} reproduce, {plain['contradicted']} are "
         f"contradicted and {plain['inconclusive']} inconclusive (after Holm's adjustment: {holm['reproduces']}, "
@@ -261,8 +332,8 @@ def test_the_full_grids_section_is_its_shipped_report():
 
 
 def full_readme_phrases(report: dict[str, str], holm: dict[str, int]) -> list[str]:
-    """What the README must say of the whole full grid: rpb minus sft in domain on each set, and the claims'
-    verdicts after Holm's adjustment, from its shipped report."""
+    """What docs/study.md's summary must say of the whole full grid: rpb minus sft in domain on each set, and the
+    claims' verdicts after Holm's adjustment, from its shipped report."""
 
     def delta(post_set: str, method: str) -> str:
         (row,) = [r for r in table_rows(report[OUTCOME.format(post_set)]) if r["method"] == method]
@@ -278,7 +349,7 @@ def full_readme_phrases(report: dict[str, str], holm: dict[str, int]) -> list[st
 
 def test_the_full_grids_readme_phrases_follow_its_report():
     """The phrases are computed from the report: an edited figure in the report changes what is asked of the
-    README (so the README check cannot pass against stale figures)."""
+    summary (so the summary's check cannot pass against stale figures)."""
     from collections import Counter
 
     report = sections((ROOT / "docs" / "results" / "full" / "tables.md").read_text(), "###")
