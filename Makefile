@@ -40,7 +40,8 @@ lint: venv
 # the documentation site, built strictly (a broken link, a page outside the nav, a missing API name fail); the
 # pages go to $(VENV)/site, never into the tree
 docs: venv
-	$(BIN)/mkdocs build --strict --quiet --site-dir $(abspath $(VENV))/site
+	@# NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build, not a finding
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(abspath $(VENV))/site
 
 test: venv lint docs
 	$(BIN)/python -m pytest -q

@@ -35,7 +35,6 @@ def _study(tmp_path, grid: Grid) -> SimpleNamespace:
         base_record={"heldout_exact_match": {"math": 0.1234, "facts": 0.5}},
         base_routing=lambda: {"mean": {"entropy_base_bits": 1.23456, "communities_base": 2, "modularity_base": 0.4}},
         calibrated_beta=lambda s: 0.5,
-        select_weights=lambda bar: {"lbl": 0.01},
     )
 
 
@@ -49,7 +48,7 @@ def test_the_report_states_the_studys_inputs(tmp_path):
         tables=(),
     )
     results = [_result("sft", 43, 0.5, 0.25), _result("lbl", 42, 0.75, 0.5), _result("sft", 42, 0.5, 0.25)]
-    assert write_report(_study(tmp_path, grid), results) == ""  # a grid with no tables
+    assert write_report(_study(tmp_path, grid), results, {"lbl": 0.01}) == ""  # a grid with no tables
     text = (tmp_path / "tables.md").read_text()
     assert text.startswith("# Toy-world study: grid `g`\n\n1 post-training set(s) x 3 arm(s) x 2 seed(s) [42, 43];")
     assert "Anchor weights: lbl 0.01 (fixed)\n" in text
@@ -64,7 +63,7 @@ def test_the_report_states_the_studys_inputs(tmp_path):
 
 def test_weights_chosen_on_validation_are_said_so(tmp_path):
     grid = Grid("g", ("math_post",), (Arm("sft", "sft"), Arm("lbl", "lbl")), (42,), tables=())
-    write_report(_study(tmp_path, grid), [_result("sft", 42, 0.5, 0.25), _result("lbl", 42, 0.5, 0.25)])
+    write_report(_study(tmp_path, grid), [_result("sft", 42, 0.5, 0.25), _result("lbl", 42, 0.5, 0.25)], {"lbl": 0.01})
     text = (tmp_path / "tables.md").read_text()
     assert "Anchor weights: lbl 0.01 (chosen on the validation split: selection.json)" in text
     assert "Calibrated beta" not in text  # no calibrated arm
