@@ -125,28 +125,14 @@ def attach_anchor(
     sigma_LE = None
     if method.shuffle is not None:
         labels_LE = None
-        if method.shuffle == "within-transition":
-            comm = base_transition_communities(
-                model,
-                layers,
-                data.examples,
-                anchor_cfg.shuffle_seed,
-                anchor_cfg.community_resolution,
-                batch_size,
-                pad_id_of(tokenizer),
-            )
-        elif method.needs_communities:
-            comm = base_communities(
-                model,
-                layers,
-                data.examples,
-                anchor_cfg.shuffle_seed,
-                anchor_cfg.community_resolution,
-                batch_size,
-                pad_id_of(tokenizer),
-                progress,
-            )
         if method.needs_communities:
+            # the base's communities over the training data: of expert transitions for the transition controls,
+            # of co-activation for the others
+            where = (model, layers, data.examples, anchor_cfg.shuffle_seed, anchor_cfg.community_resolution)
+            if method.shuffle == "within-transition":
+                comm = base_transition_communities(*where, batch_size, pad_id_of(tokenizer))
+            else:
+                comm = base_communities(*where, batch_size, pad_id_of(tokenizer), progress)
             labels_LE = comm.labels_LE
             info["base_communities"] = {"labels": labels_LE.tolist(), "modularity": comm.modularity_L}
         num_experts = int(layers[0].router.weight.shape[0])
