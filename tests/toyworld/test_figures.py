@@ -124,7 +124,7 @@ def _claims_shown(fig) -> list[tuple[str, str, str]]:
     return [(claim, words[(0, row)], words[(1, row)]) for row, claim in enumerate(names)]
 
 
-@pytest.mark.parametrize("name", ["beta", "full"])
+@pytest.mark.parametrize("name", ["headline", "beta", "full"])
 def test_the_forest_plot_shows_each_methods_paired_difference_and_interval(name):
     fig = forest(_differences(name), name)
     grid = GRIDS[name]
@@ -137,7 +137,7 @@ def test_the_forest_plot_shows_each_methods_paired_difference_and_interval(name)
     assert _forest_mismatches(fig, _paired_means(name), _table_rows(name)) == []
 
 
-@pytest.mark.parametrize("name", ["beta", "headline"])
+@pytest.mark.parametrize("name", ["headline", "beta", "full"])
 def test_the_claims_figure_shows_each_verdict_before_and_after_holm(name):
     expected = _table_verdicts(name)
     assert _claims_shown(claims(list(_verdicts(name)), name)) == expected
