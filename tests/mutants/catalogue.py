@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from tests.mutants import more_audit, more_experts, more_families, more_monitor, more_newcomer, more_prior_values
+from tests.mutants import (
+    more_audit,
+    more_experts,
+    more_families,
+    more_monitor,
+    more_newcomer,
+    more_prior_values,
+    more_split,
+)
 from tests.mutants.harness import Mutant
 
 BEFORE_ISSUE_48: tuple[Mutant, ...] = (
@@ -815,4 +823,5 @@ MUTANTS: tuple[Mutant, ...] = (
     *more_experts.MUTANTS,
     *more_newcomer.MUTANTS,
     *more_families.MUTANTS,
+    *more_split.MUTANTS,
 )
