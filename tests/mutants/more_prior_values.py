@@ -125,7 +125,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="trl_prepare_reads_prior_unchecked",
         story="the TRL integration's prepare reads the prior with the raw reader: a negative prior trains",
-        path="integrations/trl.py",
+        path="integrations/trl/sft.py",
         function="prepare",
         pattern=r"load_prior\(prior\)",
         replacement=f"{RAW}(prior)",

@@ -34,7 +34,7 @@ from tests.hand_routing import hand_select, token_bias
 
 ARCHS = ("moonlight", "qwen3_moe")
 STEPS = 2
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -233,7 +233,7 @@ def test_a_nonzero_coefficient_is_refused_with_its_message(setup, tmp_path):
 
 
 def test_trl_config_left_unset_gets_zero_and_says_so_once(setup, tmp_path, caplog, monkeypatch):
-    monkeypatch.setattr("rpb.integrations.trl._TOLD", False)
+    monkeypatch.setattr("rpb.integrations.trl.sft._TOLD", False)
     with caplog.at_level("WARNING", logger="rpb.integrations.trl"):
         trainer, handle, _ = anchored(setup, "qwen3_moe", tmp_path, args=trl.SFTConfig(**config(tmp_path)))
         handle.remove()

@@ -1,0 +1,7 @@
+"""TRL's trainers with rpb: ``SFTTrainer`` with an anchor (``sft``), ``GRPOTrainer`` with the loss anchors and
+routing replay (``grpo``). Install with ``pip install 'rpb[trl]'`` (torch pinned as a constraint, see the README)."""
+
+from rpb.data.arrow import as_dataset
+from rpb.integrations.trl.sft import SFTConfig, SFTTrainer, prepare
+
+__all__ = ["SFTConfig", "SFTTrainer", "as_dataset", "prepare"]
