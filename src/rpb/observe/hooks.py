@@ -1,9 +1,10 @@
 """The one place rpb hooks a model for its routing: every router call handed to whoever asks, reversibly.
 
-Five readers go through it: the anchor (``rpb.anchors``, whose callback may replace the router's output in
+Six readers go through it: the anchor (``rpb.anchors``, whose callback may replace the router's output in
 train mode), the collector's span sums, the routing monitor (router calls, and the model's own inputs for its
-labels and attention mask), the trace (``rpb.observe.trace``: native top-k over data) and the audit (the hidden
-states each router place receives). Each registration returns a ``Hooks`` that removes every hook it added,
+labels and attention mask), the trace (``rpb.observe.trace``: native top-k over data), the audit (the hidden
+states each router place receives) and routing replay (``rpb.replay``: it records generation's routes and may
+replace the router's output with recorded ones). Each registration returns a ``Hooks`` that removes every hook it added,
 leaving the model as it was; module identities and parameter names are never touched.
 
 Router hooks sit on ``MoELayer.router``, the module that runs (``rpb.adapters.running_router``); input hooks
@@ -51,6 +52,11 @@ class Hooks:
 
     def __len__(self) -> int:
         return len(self._handles)
+
+    @classmethod
+    def join(cls, *groups: Hooks) -> Hooks:
+        """One ``Hooks`` removing every hook of ``groups``."""
+        return cls(h for group in groups for h in group._handles)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -103,3 +109,9 @@ def on_model_inputs(model: nn.Module, callback: Callable[[tuple, dict], None]) -
     return Hooks(
         [model.register_forward_pre_hook(lambda module, args, kwargs: callback(args, kwargs), with_kwargs=True)]
     )
+
+
+def on_model_outputs(model: nn.Module, callback: Callable[[object], None]) -> Hooks:
+    """Call ``callback(output)`` after every forward of ``model`` (generation's recorder reads each step's
+    logits from it); what it returns is dropped, the output is the model's own."""
+    return Hooks([model.register_forward_hook(lambda module, args, output: callback(output) and None)])
