@@ -7,8 +7,11 @@ engine's), carry them with the rollout, and replay them in the training forward 
   ``routes_BSLK``.
 * ``RouteReplay`` (``replay``): the training forward routed to the recorded experts, gates from the live router.
 * ``mismatch``: flip rates and the log-probability gap, rollout against training.
+* ``routes_from_vllm`` / ``routes_from_sglang`` (``engines``): an engine's returned routes as one rollout's
+  ``routes_NLK``, checked against the model.
 """
 
+from rpb.replay.engines import routes_from_sglang, routes_from_vllm
 from rpb.replay.record import GenerationRecorder
 from rpb.replay.replay import RouteReplay
 from rpb.replay.routes import NO_ROUTE, batch_routes, rollout_routes, routed_positions
@@ -25,4 +28,6 @@ __all__ = [
     "batch_routes",
     "rollout_routes",
     "routed_positions",
+    "routes_from_sglang",
+    "routes_from_vllm",
 ]
