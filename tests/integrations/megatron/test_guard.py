@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rpb.anchors.methods import METHODS
 from rpb.config import ConfigError
 from rpb.integrations.megatron.bridge import AnchoredForwardStep, build_container
 from rpb.integrations.megatron.config import load_megatron_config
@@ -86,6 +87,8 @@ REFUSED = {
     "model.context_parallel_size": (2, "context parallelism"),
     "model.moe_router_fusion": (True, "fused router"),
     "model.mtp_num_layers": (1, "multi-token"),
+    # told no method, the guard refuses a routing replay (it binds the methods that choose the top-k)
+    "model.moe_enable_routing_replay": (True, "routing replay"),
 }
 
 
@@ -130,3 +133,42 @@ def test_the_forward_step_refuses_a_schedule_plan():
     step = AnchoredForwardStep(cfg=None, prepared=None)
     with pytest.raises(RuntimeError, match=r"schedule plan.*overlap_moe_expert_parallel_comm=False"):
         step(ns(), iter([]), model=None, return_schedule_plan=True)
+
+
+#: every method of the table, by what Megatron's routing replay means for it (docs/megatron.md, Routing replay):
+#: these choose the top-k through the hook the replay uses, so the replayed routes would override their choice
+SELECTING = (
+    "rpb", "rpb-hard", "within-soft", "within-hard", "global-hard", "within-transition-soft", "within-transition-hard",
+)  # fmt: skip
+#: these keep Megatron's selection (the replayed one, under replay); the loss terms read the live logits
+KEEPING = ("sft", "lbl", "router-l2", "kl-to-base", "logit-l2", "router-freeze")
+
+
+def test_every_method_is_decided_for_routing_replay():
+    """A method added to the table must be placed in one of the two lists above."""
+    assert sorted(SELECTING + KEEPING) == sorted(METHODS)
+
+
+@pytest.mark.parametrize("method", SELECTING)
+def test_routing_replay_is_refused_for_the_methods_that_choose_the_top_k(method):
+    c = allowed_container()
+    c.model.moe_enable_routing_replay = False
+    assert container_problems(c, method) == []
+    c.model.moe_enable_routing_replay = True
+    problems = container_problems(c, method)
+    assert len(problems) == 1 and problems[0].startswith("model.moe_enable_routing_replay: True")
+    assert "replayed routes would override the biased choice" in problems[0]
+    assert "no effect on selection" in problems[0]
+    with pytest.raises(ConfigError, match="1 problem"):
+        check_container(c, method=method)
+
+
+@pytest.mark.parametrize("method", KEEPING)
+def test_routing_replay_is_accepted_for_the_loss_anchors_and_the_native_selection(method):
+    c = allowed_container()
+    c.model.moe_enable_routing_replay = True
+    assert container_problems(c, method) == []
+    check_container(c, method=method)
+    # the method-independent rules still bind them
+    c.model.moe_router_fusion = True
+    assert [p.partition(":")[0] for p in container_problems(c, method)] == ["model.moe_router_fusion"]

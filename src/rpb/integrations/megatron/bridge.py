@@ -226,7 +226,7 @@ def build_container(cfg, model=None):
         "weight_decay_incr_style",
     ):
         setattr(c.scheduler, key, getattr(s, key))
-    check_container(c, f"{cfg.model.recipe} with the run's settings")
+    check_container(c, f"{cfg.model.recipe} with the run's settings", method=cfg.anchor.method)
     return c
 
 
@@ -407,7 +407,7 @@ def run_training(cfg) -> None:
     step = AnchoredForwardStep(cfg, prepared)
     from rpb.integrations.megatron.guard import check_container
 
-    check_container(container, "the container finetune receives")
+    check_container(container, "the container finetune receives", method=cfg.anchor.method)
     try:
         finetune(container, step)
     finally:

@@ -13,6 +13,8 @@ Two lists, both data:
   value is logged.
 * ``ALLOWED``: the values the anchor supports for each anchor-relevant setting. ``container_problems``
   names every other value with the reason, before training; ``check_container`` raises them all.
+  A rule marked ``selection_only`` binds only the methods that choose the top-k themselves
+  (``Method.selection`` set: rpb, rpb-hard and the shuffled controls); told no method, every rule binds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rpb.anchors.methods import get_method
 from rpb.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -38,12 +41,22 @@ _DELAY = (
     "the next micro-batch's work, outside the micro-batch whose context the anchor set"
 )
 
+# megatron-core 0.16.1 moe_utils.py:699-707 and router_replay.py:146-159 (0.19.2: 825-833, 167-180)
+_REPLAY = (
+    "Megatron's routing replay hands its recorded top-k indices to the router through the same "
+    "router_replay hook through which the anchor hands it the prior-biased selection: the replayed routes "
+    "would override the biased choice, so the bias would have no effect on selection (the loss anchors, "
+    "router-freeze and sft run with replay on: docs/megatron.md, Routing replay)"
+)
+
 
 @dataclass(frozen=True)
 class Allowed:
     path: str
     values: tuple
     why: str
+    #: binds only the methods that choose the top-k (``Method.selection`` set); the others take any value
+    selection_only: bool = False
 
 
 # fmt: skip below: a table of data, kept aligned row by row (the formatter would put one item per line)
@@ -71,6 +84,7 @@ ALLOWED: tuple[Allowed, ...] = (
         "the fused router kernel computes the top-k outside the Python router, so the bias would not choose",
     ),
     Allowed("model.mtp_num_layers", (None, 0), "the prior has no rows for the multi-token-prediction routers"),
+    Allowed("model.moe_enable_routing_replay", (None, False), _REPLAY, selection_only=True),
 )  # fmt: skip
 
 #: field -> value ``build_container`` sets on every line (Bridge v0.3.1's Moonlight SFT recipe)
@@ -122,10 +136,17 @@ def enforce_contract(container) -> list[str]:
     return changed
 
 
-def container_problems(container) -> list[str]:
-    """Every anchor-relevant setting of the effective container outside ``ALLOWED``, with the reason."""
+def container_problems(container, method: str | None = None) -> list[str]:
+    """Every anchor-relevant setting of the effective container outside ``ALLOWED``, with the reason.
+
+    ``method``: the run's ``anchor.method``; a ``selection_only`` rule is skipped for a method that keeps
+    Megatron's selection. None (not told) applies every rule.
+    """
+    selects = method is None or get_method(method).selection is not None
     out = []
     for rule in ALLOWED:
+        if rule.selection_only and not selects:
+            continue
         value = get_path(container, rule.path)
         if value is not _MISSING and value not in rule.values:
             allowed = " or ".join(repr(v) for v in rule.values)
@@ -133,7 +154,7 @@ def container_problems(container) -> list[str]:
     return out
 
 
-def check_container(container, where: str = "Megatron-Bridge ConfigContainer") -> None:
-    problems = container_problems(container)
+def check_container(container, where: str = "Megatron-Bridge ConfigContainer", method: str | None = None) -> None:
+    problems = container_problems(container, method)
     if problems:
         raise ConfigError(where, problems)

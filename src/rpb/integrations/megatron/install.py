@@ -104,8 +104,12 @@ def _install_problems(routers: list[MegatronRouter], method: Method) -> list[str
                 )
     if any("routing" in vars(r.module) for r in routers):
         out.append("an anchor is already installed on these routers; remove() it first")
-    if any(r.module.router_replay is not None for r in routers):
-        out.append("moe_enable_routing_replay=True: a routing replay and the anchor would both force the top-k")
+    if method.selection is not None and any(r.module.router_replay is not None for r in routers):
+        out.append(
+            "moe_enable_routing_replay=True: Megatron's routing replay hands the router its recorded top-k through "
+            f"the router_replay hook {method.name} chooses through, so the replayed routes would override the "
+            "biased selection; turn it off, or use a loss anchor"
+        )
     if any(getattr(r.module, "is_mtp_layer", False) for r in routers):
         out.append("the model has multi-token-prediction routers, which the prior does not cover")
     if method.loss is LBL:

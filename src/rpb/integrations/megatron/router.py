@@ -21,18 +21,20 @@ class method; ``remove()`` deletes it), and inside it:
 
 ``router_replay`` is the hook Megatron added for replaying a recorded routing; it exists from
 megatron-core 0.16 on, and newer releases still pass it (they also accept
-``precomputed_indices``, which this integration does not need). Installing refuses any router
-whose routing would bypass it: the fused router (``moe_router_fusion``), sinkhorn or quantile
-balancing, an active routing replay.
+``precomputed_indices``, which this integration does not need). ``topk_hook`` drives it. Installing
+refuses any router whose routing would bypass it: the fused router (``moe_router_fusion``),
+sinkhorn or quantile balancing. Megatron's own routing replay (``moe_enable_routing_replay``) uses
+the same hook, so it and a selection anchor exclude each other (``topk_hook.forced_topk`` refuses an
+active one); the loss anchors leave the hook to it (docs/megatron.md, "Routing replay").
 
 In eval mode, or with no micro-batch context set, the original ``routing`` runs untouched.
 The context stays set until the next micro-batch or ``clear()``, so activation recomputation
 during backward routes alike. Pipeline parallelism (micro-batches interleave their forward
 and backward passes) and context parallelism are refused; the paper used neither.
 
-The loss-based anchors and ``router-freeze`` keep Megatron's own selection. A loss anchor's
-term is the methods table's own (``Method.loss.term``, the same function the HF hook calls),
-fed the same ``RouterState``:
+The loss-based anchors and ``router-freeze`` keep Megatron's own selection (a routing replay's
+recorded one, when Megatron replays). A loss anchor's term is the methods table's own
+(``Method.loss.term``, the same function the HF hook calls), fed the same ``RouterState``:
 
 * terms that read the step's forward (``lbl``, ``kl-to-base``, ``logit-l2``) are recorded in
   ``routing``: the router's logits, and for the base-logit terms ``linear(x, W_base)`` in
@@ -88,6 +90,9 @@ from rpb.anchors.transform import family_transform
 from rpb.errors import RpbError
 from rpb.integrations.megatron.figures import RoutingFigures
 from rpb.integrations.megatron.layout import router_rows
+
+# topk_routing_function is re-exported: install.py imports it from here
+from rpb.integrations.megatron.topk_hook import forced_topk, megatron_select, topk_routing_function  # noqa: F401
 from rpb.prior import STRUCTURAL
 
 
@@ -98,63 +103,6 @@ class MegatronAnchorError(RpbError):
             f"cannot install the anchor into this Megatron-Core model ({len(problems)} problem(s)):\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
-
-
-# ---- the two replay objects (duck-typed ``RouterReplay.get_replay_topk``) -------------------
-class _CaptureTopK:
-    """Runs Megatron's own top-k and keeps the indices it chose."""
-
-    def __init__(self):
-        self.indices = None
-
-    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        values, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        self.indices = indices
-        return values, indices
-
-
-class _ForcedTopK:
-    """Hands Megatron indices chosen elsewhere; Megatron gathers its unbiased scores at them."""
-
-    def __init__(self, ids_TK: torch.Tensor):
-        self.ids_TK = ids_TK
-
-    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        ids_TK = self.ids_TK.to(scores.device)
-        return scores.gather(1, ids_TK), ids_TK
-
-
-def topk_routing_function():
-    """``topk_routing_with_score_function`` as ``router.py`` calls it (looked up by name, at call time)."""
-    from megatron.core.transformer.moe import router as router_module
-
-    return router_module.topk_routing_with_score_function
-
-
-def megatron_select(router: nn.Module, logits_TE: torch.Tensor) -> torch.Tensor:
-    """``topk_ids_TK``: the experts Megatron's own selection pipeline picks for ``logits_TE``.
-
-    The router's score function, pre-softmax flag, expert bias and group-limited top-k, exactly
-    as ``TopKRouter.routing`` passes them (never the fused kernel, which install refuses). The
-    logits are detached, so no graph is built; grad mode is left as the caller has it, because
-    newer megatron-core sorts its top-k only when grad is enabled, and the indices should come
-    in the order the native routing would produce.
-    """
-    c = router.config
-    capture = _CaptureTopK()
-    topk_routing_function()(
-        logits_TE.detach(),
-        router.topk,
-        use_pre_softmax=c.moe_router_pre_softmax,
-        num_groups=c.moe_router_num_groups,
-        group_topk=c.moe_router_group_topk,
-        scaling_factor=c.moe_router_topk_scaling_factor,
-        score_function=router.score_function,
-        expert_bias=router.expert_bias,
-        fused=False,
-        router_replay=capture,
-    )
-    return capture.indices
 
 
 @dataclass
@@ -382,11 +330,8 @@ class MegatronAnchorHandle(RoutingFigures):
                 self._record_counts(r, logits, hidden, padding_mask, ctx, None, None)
                 return original(logits, *args, **kwargs)
             ids_TK = self._selection(r, logits, padding_mask, ctx, hidden)
-            r.module.router_replay = _ForcedTopK(ids_TK)
-            try:
+            with forced_topk(r.module, ids_TK, f"router {r.name} ({self.method.name})"):
                 return original(logits, *args, **kwargs)
-            finally:
-                r.module.router_replay = None
 
         return routing
 
