@@ -25,6 +25,9 @@ class TokenContext:
     valid_T: torch.Tensor
     #: per-step cache owned by the anchor (bias tables, first-call flags); dropped with the context
     cache: dict = field(default_factory=dict)
+    #: the weight of each token in the token terms' mean (None: valid tokens alike). GRPO gives completion
+    #: tokens its own loss's weights (``rpb.integrations.trl.scaling``), normalised to sum 1
+    weight_T: torch.Tensor | None = None
 
     @classmethod
     def from_batch(

@@ -82,9 +82,18 @@ class AnchorHandle:
 
     # ---- step context --------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self, sample_BT: torch.Tensor, span_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None):
-        """Set the per-token context for one step; keep the block open until backward is done."""
+    def step(
+        self,
+        sample_BT: torch.Tensor,
+        span_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor | None = None,
+        weight_BT: torch.Tensor | None = None,
+    ):
+        """Set the per-token context for one step; keep the block open until backward is done. ``weight_BT``:
+        each token's weight in the token terms' mean (summing to 1; None: every valid token alike)."""
         self._context = TokenContext.from_batch(sample_BT, span_BT, attention_mask_BT)
+        if weight_BT is not None:
+            self._context.weight_T = weight_BT.reshape(-1)
         self._terms = {}
         try:
             yield self._context
@@ -153,7 +162,8 @@ class AnchorHandle:
         if self.method.loss is not None:
             # computed on every call, so a recomputed forward saves exactly what the first one did
             # (non-reentrant checkpointing checks that); only the first call's term is kept
-            term = self._loss_term(layer, module, hidden, logits_TE, valid_T)
+            weight_T = valid_T if ctx.weight_T is None else ctx.weight_T.to(logits_TE.device)
+            term = self._loss_term(layer, module, hidden, logits_TE, weight_T)
             if first_call:
                 self._terms[pos] = term
         gates_TK, ids_TK = native_gates_TK, native_ids_TK

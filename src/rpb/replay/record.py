@@ -37,6 +37,8 @@ class GenerationRecorder:
         self._steps: list[list[torch.Tensor]] = []  # per forward: each layer's ids [B, s, K]
         self._logps: list[torch.Tensor] = []  # per generated token but the last: [B]
         self._last_logp_BV: torch.Tensor | None = None
+        #: P, the left-padded prompt's length (the first forward's)
+        self.prompt_len = 0
 
     def __enter__(self) -> GenerationRecorder:
         self._steps, self._logps, self._last_logp_BV = [], [], None
@@ -56,6 +58,8 @@ class GenerationRecorder:
         if ids_BS is None:
             raise ArgumentError("routing replay records generation from input_ids; this forward was given none")
         self._shape = tuple(ids_BS.shape)
+        if not self._steps:
+            self.prompt_len = self._shape[1]  # the first forward is the whole (left-padded) prompt
         if self._last_logp_BV is not None:  # this step's input is the token the last step drew
             self._logps.append(self._last_logp_BV.gather(1, ids_BS[:, -1:].to(self._last_logp_BV.device)).squeeze(1))
         self._steps.append([None] * len(self.layers))

@@ -2,6 +2,7 @@
 routing replay (``grpo``). Install with ``pip install 'rpb[trl]'`` (torch pinned as a constraint, see the README)."""
 
 from rpb.data.arrow import as_dataset
+from rpb.integrations.trl.grpo import GRPOConfig, GRPOTrainer
 from rpb.integrations.trl.sft import SFTConfig, SFTTrainer, prepare
 
-__all__ = ["SFTConfig", "SFTTrainer", "as_dataset", "prepare"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer", "as_dataset", "prepare"]

@@ -1,0 +1,271 @@
+"""rpb's GRPOTrainer (TRL's, the installed release) on a tiny Qwen3-MoE: every anchor with every replay mode, the
+anchors' terms in the router gradient against their formulas (tests/hand_losses.py) over the completion tokens,
+TRL's load-balancing coefficient held at 0, routes carried through TRL's buffer and replayed, and the refusals."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+
+from rpb.adapters import find_moe_layers, get_adapter
+from rpb.anchors import AnchorConfig, install_anchor
+from rpb.config import ConfigError
+from rpb.integrations.trl import GRPOConfig, GRPOTrainer
+from rpb.testing.models import ARCHITECTURES, build_tiny_model, randomize_routers
+from rpb.testing.tokenizers import moonlight_tokenizer
+from tests.hand_losses import RouterRecorder, move_routers, term_gradient
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+COEF = 2.0
+TOP_K = ARCHITECTURES["qwen3_moe"][1]["num_experts_per_tok"]
+PROMPTS = ["abc def", "hello wor", "one two three", "xyz", "a b", "qq rr ss"]
+ANCHORS = ["sft", "kl-to-base", "router-l2", "logit-l2", "lbl", "router-freeze"]
+
+
+def reward(completions, **kwargs):
+    return [float(c.count("a") + c.count("e")) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    t = moonlight_tokenizer()
+    t.padding_side = "left"
+    return t
+
+
+def grpo_args(tmp_path, **overrides) -> GRPOConfig:
+    base = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, num_generations=4,
+                max_completion_length=6, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+                use_cpu=True, seed=7, disable_tqdm=True, beta=0.0, bf16=False)  # fmt: skip
+    return GRPOConfig(**{**base, **overrides})
+
+
+def anchor_config(method: str) -> AnchorConfig:
+    return AnchorConfig(method=method, lambda_=COEF, lbl_coef=COEF) if method in ("kl-to-base", "router-l2",
+        "logit-l2", "lbl") else AnchorConfig(method=method)  # fmt: skip
+
+
+def trainer_for(tok, tmp_path, method="sft", seed=0, **overrides):
+    model = build_tiny_model("qwen3_moe", len(tok), seed=seed).train()
+    anchor = install_anchor(model, anchor_config(method))
+    data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS])
+    trainer = GRPOTrainer(model, reward, grpo_args(tmp_path, **overrides), data, processing_class=tok, anchor=anchor)
+    return trainer, anchor
+
+
+@pytest.mark.parametrize("replay", ["off", "R2", "R3"])
+@pytest.mark.parametrize("method", ANCHORS)
+def test_every_anchor_with_every_replay_mode_trains_three_steps(method, replay, tok, tmp_path):
+    trainer, anchor = trainer_for(tok, tmp_path, method, replay=replay, num_iterations=2)
+    assert trainer.router_aux_loss_coef == 0.0 and not trainer.aux_loss_enabled
+    # TRL's model config still declares its own coefficient: TRL's default would have read it
+    assert trainer.model.config.router_aux_loss_coef > 0
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    assert not any("aux_loss" in h for h in logs)  # TRL's own term never ran
+    assert any("routing/rollout_flip_rate" in h for h in logs)
+    assert any("routing/stale_flip_rate" in h for h in logs)  # num_iterations=2: a later update of each batch
+    if method == "router-freeze":
+        assert all(not m.router.weight.requires_grad for m in trainer.replay.layers)
+    anchor.remove()
+    trainer.replay.remove()
+
+
+def test_trl_left_alone_adds_its_load_balancing_loss(tok, tmp_path):
+    """The trap the integration removes: TRL's own trainer, its default coefficient, the same model."""
+    import trl
+
+    model = build_tiny_model("qwen3_moe", len(tok), seed=0).train()
+    data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS])
+    args = trl.GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, report_to=[], use_cpu=True)  # fmt: skip
+    plain = trl.GRPOTrainer(model, reward, args, data, processing_class=tok)
+    assert plain.aux_loss_enabled and plain.router_aux_loss_coef == model.config.router_aux_loss_coef
+
+
+# ---- the routes through TRL's buffer, and replayed -------------------------------------------------
+
+
+def watch_training(trainer):
+    """Every training forward's micro-batch and what each MoE layer's experts received (top-k ids [B, S, K])."""
+    seen, experts = [], {}
+    prepare = trainer._prepare_inputs
+    trainer._prepare_inputs = lambda batch: seen.append((prepare(batch), experts.copy())) or seen[-1][0]
+
+    def hook_for(pos):
+        def hook(module, args):
+            if module.training and torch.is_grad_enabled():
+                experts[pos] = args[1].detach().clone()
+
+        return hook
+
+    handles = [
+        trainer.model.get_submodule(m.name.rpartition(".")[0] + ".experts").register_forward_pre_hook(hook_for(p))
+        for p, m in enumerate(trainer.replay.layers)
+    ]
+    return seen, experts, handles
+
+
+def full_forward_topk(model, layers, input_ids, mask) -> torch.Tensor:
+    """The routers' own top-k over a whole batch in one eval forward: [B, S, L, K]."""
+    got = {}
+    hooks = [m.router.register_forward_hook(lambda mod, a, o, p=p: got.update({p: o[2]})) for p, m in enumerate(layers)]
+    with torch.no_grad():
+        model.eval()(input_ids=input_ids, attention_mask=mask)
+    model.train()
+    for h in hooks:
+        h.remove()
+    B, S = input_ids.shape
+    return torch.stack([got[p].reshape(B, S, -1) for p in range(len(layers))], dim=2)
+
+
+def test_each_rollouts_routes_travel_with_it_through_trls_shuffle(tok, tmp_path):
+    """Learning rate 0: a full forward of each row at any time routes as its rollout did, so the routes the batch
+    carries must be that row's own, at its own positions, whatever TRL shuffled and split."""
+    trainer, anchor = trainer_for(tok, tmp_path, "sft", replay="R3", learning_rate=0.0, steps_per_generation=2,
+                                  num_iterations=2, gradient_accumulation_steps=2, max_steps=2)  # fmt: skip
+    seen, _, handles = watch_training(trainer)
+    trainer.train()
+    checked = 0
+    for inputs, _ in seen:
+        routes = inputs["rpb_rollout_routes"]
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        own = full_forward_topk(trainer.model, trainer.replay.layers, ids, mask)
+        has = (routes >= 0).all(-1).all(-1)
+        assert torch.equal(routes[has].sort(-1).values, own[has].sort(-1).values)
+        assert int(has.sum()) == int(mask.sum()) - mask.shape[0]  # every token but each rollout's last
+        checked += int(has.sum())
+    assert len(seen) == 4 and checked > 0  # 2 optimizer steps x 2 accumulation: one generation, 2 iterations
+    for h in handles:
+        h.remove()
+
+
+@pytest.mark.parametrize("replay", ["R3", "R2"])
+def test_the_training_forward_gets_the_replayed_experts(replay, tok, tmp_path):
+    trainer, anchor = trainer_for(tok, tmp_path, "sft", replay=replay, rollout_dtype="bfloat16", num_iterations=2,
+                                  max_steps=4)  # fmt: skip
+    randomize_routers(trainer.model, seed=5, scale=1.0)  # close scores: bf16 rollouts flip some choices
+    seen, experts, handles = watch_training(trainer)
+    trainer.train()
+    key = "rpb_rollout_routes" if replay == "R3" else "rpb_first_routes"
+    differed = 0
+    for step, (inputs, _) in enumerate(seen[:-1]):
+        got = seen[step + 1][1]  # what the experts received in this micro-batch's forward (read at the next)
+        routes = inputs[key]
+        has = (routes >= 0).all(-1).all(-1)
+        for pos in range(routes.shape[2]):
+            B, S = has.shape
+            received = got[pos].reshape(B, S, -1)
+            assert torch.equal(received[has].sort(-1).values, routes[has][:, pos].sort(-1).values), (step, pos)
+        differed += int((inputs["rpb_first_routes"] != inputs["rpb_rollout_routes"]).any(-1).any(-1)[has].sum())
+    if replay == "R3":
+        assert differed > 0, "bf16 rollouts flipped nothing against the fp32 training forward: nothing was shown"
+    for h in handles:
+        h.remove()
+
+
+# ---- the anchors' terms, by hand ------------------------------------------------------------------
+
+
+def one_step(tok, tmp_path, method, **overrides):
+    """One GRPO step with the routers moved off the base after the anchor copied it: the routers' inputs and
+    gradients, their weights at the start, and the micro-batch the step trained on."""
+    trainer, anchor = trainer_for(tok, tmp_path, method, max_steps=1, **overrides)
+    base = [m.router.weight.detach().double().clone() for m in trainer.replay.layers]
+    move_routers(trainer.model)
+    rec = RouterRecorder(trainer.model)
+    start = [r.weight.detach().double().clone() for r in rec.routers]
+    seen = []
+    prepare = trainer._prepare_inputs
+    trainer._prepare_inputs = lambda batch: seen.append(prepare(batch)) or seen[-1]
+    trainer.train()
+    rec.remove()
+    anchor.remove()
+    trainer.replay.remove()
+    return rec, start, base, seen[0]
+
+
+def completion_weights_T(inputs, loss_type: str) -> torch.Tensor:
+    """Each token's weight in GRPO's loss, written from TRL's aggregation (one process, no accumulation)."""
+    mask_BC = inputs["completion_mask"].double()
+    B = mask_BC.shape[0]
+    if loss_type == "grpo":  # the mean per completion, then over completions
+        w_BC = mask_BC / mask_BC.sum(-1, keepdim=True) / B
+    else:  # dapo: the batch's completion tokens alike
+        w_BC = mask_BC / mask_BC.sum()
+    return torch.cat([torch.zeros_like(inputs["prompt_mask"], dtype=torch.float64), w_BC], dim=1).reshape(-1)
+
+
+@pytest.fixture(scope="module")
+def plain_step(tok, tmp_path_factory):
+    return {lt: one_step(tok, tmp_path_factory.mktemp(f"plain-{lt}"), "sft", loss_type=lt) for lt in ("dapo", "grpo")}
+
+
+@pytest.mark.parametrize(
+    "method, loss_type",
+    [("kl-to-base", "dapo"), ("logit-l2", "dapo"), ("lbl", "dapo"), ("router-l2", "dapo"), ("kl-to-base", "grpo")],
+)
+def test_the_anchor_term_in_the_router_gradient_is_its_formula(method, loss_type, tok, tmp_path, plain_step):
+    rec, start, base, inputs = one_step(tok, tmp_path, method, loss_type=loss_type)
+    plain_rec = plain_step[loss_type][0]
+    w_T = completion_weights_T(inputs, loss_type)
+    L = len(start)
+    for pos in range(L) if method == "router-l2" else [L - 1]:
+        h_TH = rec.inputs[pos][0]
+        assert torch.equal(h_TH, plain_rec.inputs[pos][0])  # the same rollout, the same forward
+        if method == "lbl":  # a load over the completion tokens, each weighted as GRPO weighs it
+            valid_T = w_T > 0
+            assert torch.allclose(w_T[valid_T], w_T[valid_T][0].expand(int(valid_T.sum())))  # dapo: alike
+            hand = term_gradient(method, h_TH, start[pos], base[pos], valid_T, TOP_K)
+        elif method == "router-l2":
+            hand = term_gradient(method, h_TH, start[pos], base[pos], w_T > 0, TOP_K)
+        else:  # a per-token term: sum_t w_t x_t, written as the weighted sum of one-token means
+            hand = torch.zeros_like(start[pos])
+            for t in (w_T > 0).nonzero().squeeze(1).tolist():
+                one_T = torch.zeros_like(w_T, dtype=torch.bool)
+                one_T[t] = True
+                hand += w_T[t] * term_gradient(method, h_TH, start[pos], base[pos], one_T, TOP_K)
+        hand = COEF / L * hand
+        got = rec.grads[pos][0].double() - plain_rec.grads[pos][0].double()
+        assert hand.abs().max() > 1e-4, "a vanishing hand gradient would tell nothing"
+        assert (got - hand).abs().max() <= 1e-4 * hand.abs().max(), f"{method} {loss_type} router {pos}"
+
+
+# ---- the refusals -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, method, expected",
+    [
+        ({"router_aux_loss_coef": 0.001}, "sft", "router_aux_loss_coef=0.001"),
+        ({"replay": "R4"}, "sft", "replay='R4'"),
+        ({"replay": "R3", "use_transformers_continuous_batching": True}, "sft", "paged generate_batch"),
+        ({"rollout_dtype": "float16"}, "sft", "rollout_dtype='float16'"),
+    ],
+)
+def test_what_the_trainer_refuses_is_named(overrides, method, expected, tok, tmp_path):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        trainer_for(tok, tmp_path, method, **overrides)
+
+
+def test_an_unknown_loss_type_is_refused_by_name(tok, tmp_path):
+    args = grpo_args(tmp_path)
+    args.loss_type = "new_loss"  # what a later TRL might add: refused, never scaled as another
+    model = build_tiny_model("qwen3_moe", len(tok), seed=0)
+    with pytest.raises(ConfigError, match="loss_type='new_loss'"):
+        GRPOTrainer(model, reward, args, datasets.Dataset.from_list([{"prompt": "a"}]), processing_class=tok)
+
+
+def test_rpb_with_r3_is_refused_with_the_reason(tok, tmp_path):
+    model = build_tiny_model("qwen3_moe", len(tok), seed=0)
+    E, L = model.config.num_experts, len(find_moe_layers(model, get_adapter("qwen3_moe")))
+    pi = torch.full((len(PROMPTS), 2, L, E), 1.0 / E)
+    anchor = install_anchor(model, AnchorConfig(method="rpb", beta=1.0), prior=pi)
+    data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS])
+    with pytest.raises(ConfigError, match="bias-free, so the bias would choose nothing"):
+        GRPOTrainer(model, reward, grpo_args(tmp_path, replay="R3"), data, processing_class=tok, anchor=anchor)
+    anchor.remove()
