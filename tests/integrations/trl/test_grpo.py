@@ -125,7 +125,7 @@ def full_forward_topk(model, layers, input_ids, mask) -> torch.Tensor:
 def test_each_rollouts_routes_travel_with_it_through_trls_shuffle(tok, tmp_path):
     """Learning rate 0: a full forward of each row at any time routes as its rollout did, so the routes the batch
     carries must be that row's own, at its own positions, whatever TRL shuffled and split."""
-    trainer, anchor = trainer_for(tok, tmp_path, "sft", replay="R3", learning_rate=0.0, steps_per_generation=2,
+    trainer, _ = trainer_for(tok, tmp_path, "sft", replay="R3", learning_rate=0.0, steps_per_generation=2,
                                   num_iterations=2, gradient_accumulation_steps=2, max_steps=2)  # fmt: skip
     seen, _, handles = watch_training(trainer)
     trainer.train()
@@ -146,10 +146,10 @@ def test_each_rollouts_routes_travel_with_it_through_trls_shuffle(tok, tmp_path)
 
 @pytest.mark.parametrize("replay", ["R3", "R2"])
 def test_the_training_forward_gets_the_replayed_experts(replay, tok, tmp_path):
-    trainer, anchor = trainer_for(tok, tmp_path, "sft", replay=replay, rollout_dtype="bfloat16", num_iterations=2,
+    trainer, _ = trainer_for(tok, tmp_path, "sft", replay=replay, rollout_dtype="bfloat16", num_iterations=2,
                                   max_steps=4)  # fmt: skip
     randomize_routers(trainer.model, seed=5, scale=1.0)  # close scores: bf16 rollouts flip some choices
-    seen, experts, handles = watch_training(trainer)
+    seen, _, handles = watch_training(trainer)
     trainer.train()
     key = "rpb_rollout_routes" if replay == "R3" else "rpb_first_routes"
     differed = 0
@@ -193,10 +193,8 @@ def completion_weights_T(inputs, loss_type: str) -> torch.Tensor:
     """Each token's weight in GRPO's loss, written from TRL's aggregation (one process, no accumulation)."""
     mask_BC = inputs["completion_mask"].double()
     B = mask_BC.shape[0]
-    if loss_type == "grpo":  # the mean per completion, then over completions
-        w_BC = mask_BC / mask_BC.sum(-1, keepdim=True) / B
-    else:  # dapo: the batch's completion tokens alike
-        w_BC = mask_BC / mask_BC.sum()
+    # grpo: the mean per completion, then over completions; dapo: the batch's completion tokens alike
+    w_BC = mask_BC / mask_BC.sum(-1, keepdim=True) / B if loss_type == "grpo" else mask_BC / mask_BC.sum()
     return torch.cat([torch.zeros_like(inputs["prompt_mask"], dtype=torch.float64), w_BC], dim=1).reshape(-1)
 
 
