@@ -54,14 +54,15 @@ AUX_COEFFICIENTS = ("router_aux_loss_coef",)
 
 def audit(trainer, asked: Asked | None = None, rows: int = 4, adapter: str | None = None) -> AuditReport:
     """Two optimizer steps of ``trainer`` (an HF ``Trainer``, TRL's ``SFTTrainer``, rpb's ``AnchorTrainer``)
-    on its first ``rows`` rows; the caller's model, trainer and random state are left as they were. ``asked``
-    overrides what the model shows was asked (``asked_from_model``)."""
+    on its first ``rows`` rows (rpb's ``GRPOTrainer``: one micro-batch of rollouts, generated once and trained
+    on as it is); the caller's model, trainer and random state are left as they were. ``asked`` overrides what
+    the model shows was asked (``asked_from_model``)."""
     model, handle = trainer.model, getattr(trainer, "anchor", None)
     facts = handle.facts if handle is not None else get_adapter(adapter or _unwrapped(model).config.model_type)
     layers = [lay.moe for lay in handle.layers] if handle is not None else find_moe_layers(model, facts)
     asked = asked or asked_from_model(model, layers, handle)
-    batch = _first_batch(trainer, rows)
     with _left_as_found(trainer, model, handle) as run:
+        batch = _first_batch(run, rows)
         run.create_optimizer()
         optimizer = run.optimizer
         inputs = _router_inputs(layers, lambda: run.training_step(model, dict(batch)))  # step 1's forward
@@ -138,6 +139,8 @@ def _unwrapped(model):
 
 
 def _first_batch(trainer, rows: int) -> dict:
+    if callable(getattr(trainer, "prepared_rollouts", None)):  # an RL trainer: rollouts made once, then trained on
+        return trainer.prepared_rollouts()
     data = trainer.train_dataset
     if data is None:
         raise ArgumentError("the trainer has no train_dataset to audit with")

@@ -267,3 +267,37 @@ def test_rpb_with_r3_is_refused_with_the_reason(tok, tmp_path):
     with pytest.raises(ConfigError, match="bias-free, so the bias would choose nothing"):
         GRPOTrainer(model, reward, grpo_args(tmp_path, replay="R3"), data, processing_class=tok, anchor=anchor)
     anchor.remove()
+
+
+# ---- the monitor and the audit on a GRPO trainer --------------------------------------------------------
+
+
+def test_the_monitor_counts_the_training_forwards_completion_tokens(tok, tmp_path):
+    from rpb.monitor import attach_monitor
+
+    trainer, _ = trainer_for(tok, tmp_path, "kl-to-base", max_steps=2, logging_steps=100, num_iterations=2)
+    callback = attach_monitor(trainer)
+    seen, _, handles = watch_training(trainer)
+    trainer.train()
+    for h in handles:
+        h.remove()
+    # generation and the scoring forwards stay out: the training forwards' completion tokens, counted by hand
+    completion_tokens = sum(int(inputs["completion_mask"].sum()) for inputs, _ in seen)
+    window = callback.monitor.window.tokens
+    assert window.tolist() == [float(completion_tokens)] * len(trainer.replay.layers)
+
+
+@pytest.mark.parametrize("method", ["kl-to-base", "router-freeze"])
+def test_rpb_audit_runs_on_a_grpo_trainer(method, tok, tmp_path):
+    from rpb.monitor import audit
+
+    trainer, _ = trainer_for(tok, tmp_path, method, replay="R3")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    report = audit(trainer)
+    assert report.contradictions == []
+    assert all(layer.aux_grad == 0.0 for layer in report.layers)  # TRL's load-balancing loss: off
+    if method == "router-freeze":
+        assert all(layer.grad == 0.0 and layer.moved == 0.0 for layer in report.layers)
+    else:
+        assert report.anchor_reaches and all(layer.anchor_grad > 0 for layer in report.layers)
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # left as found

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 import trl
+from trl.trainer.utils import split_tensor_dict
 
 from rpb.anchors import AnchorConfig, AnchorHandle, install_anchor
 from rpb.config import ConfigError
@@ -244,8 +245,20 @@ class GRPOTrainer(trl.GRPOTrainer):
         )
         return torch.cat([torch.zeros_like(inputs["prompt_mask"], dtype=w_BC.dtype), w_BC], dim=1)
 
+    def prepared_rollouts(self) -> dict:
+        """One micro-batch of rollouts from the trainer's own data, generated and scored now: ``rpb audit``
+        trains on it as it is (a dict with ``completion_ids`` handed to ``training_step`` is never regenerated)."""
+        was = self.model.training
+        self.model.train()
+        rollouts = self._generate_and_score_completions(next(iter(self.get_train_dataloader())))
+        self.model.train(was)
+        return split_tensor_dict(rollouts, self.args.steps_per_generation)[0]
+
     def _prepare_inputs(self, generation_batch):
-        inputs = super()._prepare_inputs(generation_batch)
+        if isinstance(generation_batch, dict) and "completion_ids" in generation_batch:
+            inputs = generation_batch  # rollouts already made (prepared_rollouts): trained on as they are
+        else:
+            inputs = super()._prepare_inputs(generation_batch)
         if self.model.training and self._step_stack is None:
             self._open_step(inputs)
         return inputs
@@ -272,7 +285,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         stack.enter_context(self.replay.forward(routes))
         self._step_stack = stack
 
-    def training_step(self, model, inputs, num_items_in_batch):
+    def training_step(self, model, inputs, num_items_in_batch=None):
         try:
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
