@@ -301,3 +301,16 @@ def test_rpb_audit_runs_on_a_grpo_trainer(method, tok, tmp_path):
     else:
         assert report.anchor_reaches and all(layer.anchor_grad > 0 for layer in report.layers)
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # left as found
+
+
+def test_the_shipped_grpo_example_runs(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "trl" / "grpo.py"
+    spec = importlib.util.spec_from_file_location("grpo_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--output-dir", str(tmp_path), "--max-steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "step 1:" in printed and "routing/rollout_flip_rate" in printed

@@ -21,7 +21,8 @@ What this changes about TRL, and why:
   (``beta`` > 0) routes freely: it stands for the base as deployed.
 * **Mismatch figures** each logging step: ``routing/rollout_flip_rate`` (rollout against the first training-side
   forward's own choice), ``routing/stale_flip_rate`` (that first forward against the current one, later updates
-  only), and the log-probability gap over completion tokens whose routing agreed in every layer and over the rest.
+  only), and, in a batch's first update, the log-probability gap over completion tokens whose routing agreed in
+  every layer and over the rest (``routing/rollout_logp_gap_agreed`` / ``_disagreed``).
 * ``rollout_dtype="bfloat16"`` generates under bfloat16 autocast, an engine's precision gap on the CPU.
 """
 
@@ -326,7 +327,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             metrics["routing/stale_flip_rate"].append(float(flip_rate_L(first, native, count_BS).nanmean()))
         used = native if replayed is None else torch.where(replayed >= 0, replayed, native)
         agreed_BC = agreed_for_completion(differs_BSL(rollout, used) & routed_positions(rollout)[..., None], P)
-        if self._train_logps is not None and "rpb_rollout_logps" in inputs:
+        # the first update only: later ones add the policy's own change since the rollout (the importance ratio)
+        if micro["first_update"] and self._train_logps is not None and "rpb_rollout_logps" in inputs:
             gap = logp_gap(inputs["rpb_rollout_logps"], self._train_logps, agreed_BC, inputs["completion_mask"])
             for name in ("agreed", "disagreed"):
                 if gap[f"{name}_tokens"]:
