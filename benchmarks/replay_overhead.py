@@ -1,0 +1,149 @@
+"""What routing replay costs: a GRPO-shaped training step with ``R3`` against ``off``, and generation with the
+routes recorded against generation without, on the toy world's shipped base 0 (bases/base0: a Moonlight-shaped
+MoE, 4 layers, 64 experts, top-6, DeepSeek-V3 routing).
+
+One fixed batch of rollouts is generated first (the toy world's prompts, sampled completions, recorded), then
+timed, in one process, alternating the order every round:
+
+* the training step (generation excluded): a forward of prompt and completion, the completion tokens'
+  log-probabilities, a policy-gradient loss with fixed advantages, backward, AdamW; ``plain`` (no hook),
+  ``off`` (rpb's GRPO ``off``: the routers' own choice recorded for the mismatch figures) and ``R3`` (the
+  rollout's routes replayed), each on its own copy of the model and optimizer;
+* generation: ``model.generate`` of the same prompts, the same seed, with and without ``GenerationRecorder``.
+
+Per variant the median of ``--steps`` timed repeats after ``--warmup``. ``ratio`` = R3 / off (target <= 1.10),
+``ratio_vs_plain`` = R3 / plain, ``generation_ratio`` = recorded / plain generation. The exit status is 0
+whether the target holds or not; the last line printed is one JSON object.
+
+Run: .venv/bin/python benchmarks/replay_overhead.py [--steps 7 --warmup 2 --rollouts 16 --new-tokens 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from rpb.adapters import find_moe_layers, get_adapter
+from rpb.models import load_causal_lm, load_tokenizer
+from rpb.replay import GenerationRecorder, RouteReplay, batch_routes, rollout_routes
+from rpb.toyworld.tasks import sample
+
+BASE = Path(__file__).resolve().parents[1] / "bases" / "base0"
+TARGET = 1.10
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=7, help="timed repeats per variant (median reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rollouts", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args()
+
+
+def prompts(tokenizer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` toy-world questions, left-padded: ``(prompt_ids, prompt_mask)``."""
+    tasks = sample("math", n, seed=0)
+    ids = [tokenizer(t.question)["input_ids"] for t in tasks]
+    P = max(len(i) for i in ids)
+    prompt_ids = torch.zeros((n, P), dtype=torch.long)
+    prompt_mask = torch.zeros((n, P), dtype=torch.long)
+    for b, row in enumerate(ids):
+        prompt_ids[b, P - len(row) :] = torch.tensor(row)
+        prompt_mask[b, P - len(row) :] = 1
+    return prompt_ids, prompt_mask
+
+
+def generate(model, prompt_ids, prompt_mask, new_tokens: int, recorder: GenerationRecorder | None):
+    torch.manual_seed(0)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, top_k=0, pad_token_id=0)
+    with torch.no_grad():
+        if recorder is None:
+            return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
+        with recorder:
+            return model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
+
+
+def training_step(model, optimizer, seqs, mask, advantages, C: int, replay=None, routes=None) -> None:
+    """Forward, the completion tokens' log-probabilities, a policy-gradient loss, backward, AdamW."""
+    with replay.forward(routes) if replay is not None else contextlib.nullcontext():
+        logits = model(input_ids=seqs, attention_mask=mask).logits[:, -C - 1 : -1].float()
+        logps = torch.log_softmax(logits, -1).gather(-1, seqs[:, -C:, None]).squeeze(-1)
+        loss = -(advantages[:, None] * logps).mean()
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(str(BASE))
+    base = load_causal_lm(str(BASE), "float32").train()
+    facts = get_adapter(base.config.model_type)
+    prompt_ids, prompt_mask = prompts(tokenizer, args.rollouts)
+    recorder = GenerationRecorder(base, find_moe_layers(base, facts), temperature=1.0)
+    seqs = generate(base, prompt_ids, prompt_mask, args.new_tokens, recorder)
+    C = args.new_tokens
+    mask = torch.cat([prompt_mask, torch.ones_like(seqs[:, -C:])], dim=1)
+    routes = batch_routes(rollout_routes(recorder.routes_BSLK, mask), prompt_mask, torch.ones_like(seqs[:, -C:]))
+    advantages = torch.linspace(-1, 1, args.rollouts)
+
+    variants = {}
+    for name in ("plain", "off", "R3"):
+        model = copy.deepcopy(base)
+        replay = RouteReplay(model) if name != "plain" else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        variants[name] = (model, optimizer, replay, routes if name == "R3" else None)
+    times = {name: [] for name in variants}
+    gen_times = {"plain": [], "recorded": []}
+    for round_ in range(args.warmup + args.steps):
+        order = list(variants) if round_ % 2 == 0 else list(reversed(list(variants)))
+        for name in order:
+            model, optimizer, replay, given = variants[name]
+            t = timed(lambda m=model, o=optimizer, r=replay, g=given: training_step(m, o, seqs, mask, advantages, C,
+                                                                                     r, g))  # fmt: skip
+            if round_ >= args.warmup:
+                times[name].append(t)
+        for name in ("plain", "recorded") if round_ % 2 == 0 else ("recorded", "plain"):
+            rec = recorder if name == "recorded" else None
+            t = timed(lambda r=rec: generate(base, prompt_ids, prompt_mask, args.new_tokens, r))
+            if round_ >= args.warmup:
+                gen_times[name].append(t)
+    median = {name: statistics.median(v) for name, v in times.items()}
+    gen_median = {name: statistics.median(v) for name, v in gen_times.items()}
+    for name, value in median.items():
+        print(f"training step {name:>5}: {value * 1000:8.1f} ms (median of {args.steps})")
+    for name, value in gen_median.items():
+        print(f"generation {name:>8}: {value * 1000:8.1f} ms (median of {args.steps})")
+    result = {
+        "ratio": round(median["R3"] / median["off"], 4),
+        "ratio_vs_plain": round(median["R3"] / median["plain"], 4),
+        "off_vs_plain": round(median["off"] / median["plain"], 4),
+        "generation_ratio": round(gen_median["recorded"] / gen_median["plain"], 4),
+        "target": TARGET,
+        "holds": median["R3"] / median["off"] <= TARGET,
+        "rollouts": args.rollouts,
+        "tokens": int(seqs.shape[1]),
+        "threads": args.threads,
+        "steps": args.steps,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
