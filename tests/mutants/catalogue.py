@@ -9,6 +9,7 @@ from tests.mutants import (
     more_monitor,
     more_newcomer,
     more_prior_values,
+    more_replay,
     more_split,
 )
 from tests.mutants.harness import Mutant
@@ -824,4 +825,5 @@ MUTANTS: tuple[Mutant, ...] = (
     *more_newcomer.MUTANTS,
     *more_families.MUTANTS,
     *more_split.MUTANTS,
+    *more_replay.MUTANTS,
 )

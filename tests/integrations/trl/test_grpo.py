@@ -314,3 +314,17 @@ def test_the_shipped_grpo_example_runs(tmp_path, capsys):
     assert example.main(["--output-dir", str(tmp_path), "--max-steps", "2"]) == 0
     printed = capsys.readouterr().out
     assert "step 1:" in printed and "routing/rollout_flip_rate" in printed
+
+
+def test_r2_forces_the_old_log_prob_forward_where_trl_would_skip_it(tok, tmp_path):
+    """Accumulation a multiple of the generation cycle: TRL skips its old-log-prob forward; under R2 rpb runs it,
+    so every micro-batch carries the first forward's routing and its log-probabilities from the start."""
+    trainer, _ = trainer_for(tok, tmp_path, "sft", replay="R2", num_iterations=2, gradient_accumulation_steps=2,
+                             steps_per_generation=1, max_steps=1)  # fmt: skip
+    assert not trainer._trl_scores_old_logps()
+    seen, _, handles = watch_training(trainer)
+    trainer.train()
+    for h in handles:
+        h.remove()
+    assert len(seen) == 2
+    assert all("rpb_first_routes" in inputs and "old_per_token_logps" in inputs for inputs, _ in seen)
