@@ -33,11 +33,13 @@ MUTANTS: tuple[Mutant, ...] = (
         name="recorded_positions_shifted_by_the_left_padding",
         story="the rollout's tokens are taken as right-padded in generation's left-padded layout: every "
         "shorter prompt's routes land on other positions",
-        path="integrations/trl/grpo.py",
-        function="GRPOTrainer._generate_single_turn",
+        path="integrations/trl/rollouts.py",
+        function="RolloutRoutes._generate_single_turn",
         pattern=r"keep_BS\[b, P - len\(p\) : P \+ len\(c\)\] = True",
         replacement="keep_BS[b, : len(p) + len(c)] = True",
-        tests=(f"{GRPO}::test_each_rollouts_routes_travel_with_it_through_trls_shuffle",),
+        tests=(
+            "tests/integrations/trl/test_rollouts.py::test_each_rollouts_routes_travel_with_it_through_trls_shuffle",
+        ),
     ),
     Mutant(
         name="routes_not_moved_with_their_rollouts",
@@ -48,7 +50,9 @@ MUTANTS: tuple[Mutant, ...] = (
         function="GRPOTrainer._generate_and_score_completions",
         pattern=r"output\[\"rpb_rollout_routes\"\] = routes\.to\(",
         replacement='output["rpb_rollout_routes"] = routes.roll(1, dims=0).to(',
-        tests=(f"{GRPO}::test_each_rollouts_routes_travel_with_it_through_trls_shuffle",),
+        tests=(
+            "tests/integrations/trl/test_rollouts.py::test_each_rollouts_routes_travel_with_it_through_trls_shuffle",
+        ),
     ),
     Mutant(
         name="generation_logps_read_without_the_temperature",

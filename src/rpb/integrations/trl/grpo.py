@@ -12,8 +12,10 @@ What this changes about TRL, and why:
   configs lack what it reads).
 * **Anchors over the completion tokens.** ``kl-to-base``, ``logit-l2`` and ``lbl`` are averaged over the
   completion tokens with the weights GRPO's ``loss_type`` gives its own per-token loss (``scaling``);
-  ``router-l2`` is added once per optimizer step; ``router-freeze`` has no term. The prior-based selections
-  (``rpb`` and its controls) are refused here: their RL rule is not built yet (docs/rl.md says what is).
+  ``router-l2`` is added once per optimizer step; ``router-freeze`` has no term.
+* **RPB** (and its controls) with a dataset from ``prepare_grpo``: prompt tokens read their row's prior as rpb
+  labels them, completion tokens the row's A prior (``rl_prior`` says why); the bias applies in the training
+  forward and the old-log-prob forward, never in generation or the reference model. With ``R3``: refused.
 * **Routing replay** (``GRPOConfig.replay``; ``rpb.replay``): ``R3`` replays each rollout's routes, recorded as
   ``generate`` made them; ``R2`` replays the first training-side forward's own routing (the old-log-prob forward,
   forced on) in the later updates of its batch; ``off`` replays nothing. The routes travel in the batch dict
@@ -38,10 +40,13 @@ from trl.trainer.utils import split_tensor_dict
 
 from rpb.anchors import AnchorConfig, AnchorHandle, install_anchor
 from rpb.config import ConfigError
+from rpb.integrations.trl.rl_prior import batch_labels
+from rpb.integrations.trl.rollouts import ROUTE_READERS, RolloutRoutes
 from rpb.integrations.trl.scaling import SCALING, token_weights_BC
-from rpb.replay import REPLAY_MODES, GenerationRecorder, RouteReplay, batch_routes, rollout_routes
-from rpb.replay.mismatch import agreed_for_completion, completion_positions, differs_BSL, flip_rate_L, logp_gap
-from rpb.replay.routes import routed_positions
+from rpb.replay import (
+    REPLAY_MODES,
+    RouteReplay,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +65,16 @@ class GRPOConfig(trl.GRPOConfig):
     rollout_dtype: str | None = field(
         default=None, metadata={"help": "'bfloat16': generate under bfloat16 autocast (an engine's precision gap)"}
     )
+    routes_format: str = field(
+        default="vllm",
+        metadata={
+            "help": "the shape of the 'routed_experts' a rollout_func returns per rollout: 'vllm' "
+            "(CompletionOutput.routed_experts) or 'sglang' (meta_info['routed_experts'])"
+        },
+    )
 
 
-def _problems(args, anchor: AnchorHandle | None) -> list[str]:
+def _problems(args, anchor: AnchorHandle | None, columns: tuple = (), has_rollout_func: bool = False) -> list[str]:
     out = []
     if args.router_aux_loss_coef not in (None, 0.0):
         out.append(
@@ -77,28 +89,35 @@ def _problems(args, anchor: AnchorHandle | None) -> list[str]:
     replay = getattr(args, "replay", "off")
     if replay not in REPLAY_MODES:
         out.append(f"replay={replay!r}: one of {', '.join(REPLAY_MODES)}")
-    if anchor is not None and anchor.method.needs_prior:
-        why = (
-            "R3 replays the rollout's routes, which are bias-free, so the bias would choose nothing"
-            if replay == "R3"
-            else "the rule for a prior in RL (prompt and completion tokens) is not built yet"
+    if anchor is not None and anchor.method.needs_prior and replay == "R3":
+        out.append(
+            f"anchor.method={anchor.method.name} with replay='R3': the rollout's routes are bias-free (rollouts "
+            "stay bias-free, like the model that will be served), so replaying them cancels the bias's effect on "
+            "selection; use R2 (its routes are the biased training forward's own) or off (docs/rl.md)"
         )
-        out.append(f"anchor.method={anchor.method.name} with GRPO: {why} (docs/rl.md)")
+    if anchor is not None and anchor.method.needs_prior and "rpb_sample_index" not in columns:
+        out.append(
+            f"anchor.method={anchor.method.name} reads a prior per row and span: build the dataset with "
+            "rpb.integrations.trl.prepare_grpo (each row's sample index and rpb's labels of its prompt)"
+        )
     if replay != "off" and getattr(args, "use_transformers_continuous_batching", False):
         out.append(
             "use_transformers_continuous_batching with replay: the paged generate_batch path mixes requests in "
             "one forward and returns no per-token routes to record; use the regular generate path"
         )
-    if replay == "R3" and getattr(args, "use_vllm", False):
+    if replay == "R3" and getattr(args, "use_vllm", False) and not has_rollout_func:
         out.append(
-            "use_vllm with replay='R3': TRL's vLLM client returns no routes, and rpb does not patch it (docs/rl.md)"
+            "use_vllm with replay='R3': TRL's vLLM client returns no routes and rpb does not patch it; hand them in "
+            "with a rollout_func returning 'routed_experts' per rollout (docs/rl.md)"
         )
+    if getattr(args, "routes_format", "vllm") not in ROUTE_READERS:
+        out.append(f"routes_format={args.routes_format!r}: one of {', '.join(ROUTE_READERS)}")
     if getattr(args, "rollout_dtype", None) not in (None, "bfloat16"):
         out.append(f"rollout_dtype={args.rollout_dtype!r}: None or 'bfloat16'")
     return out
 
 
-class GRPOTrainer(trl.GRPOTrainer):
+class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
     """TRL's ``GRPOTrainer`` with an rpb anchor (``anchor``: an installed ``AnchorHandle``; None installs the
     plain ``sft`` one, which adds nothing and lets ``rpb.monitor`` read the training forward) and routing replay
     (``args.replay``). ``model`` must be the model object the anchor was installed on. Everything else is
@@ -107,7 +126,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, model, reward_funcs, args: trl.GRPOConfig, train_dataset=None, *, anchor=None, **kwargs):
         if isinstance(model, str):
             raise ConfigError("rpb.integrations.trl.GRPOTrainer", ["model: the loaded model object, not a name"])
-        problems = _problems(args, anchor)
+        columns = tuple(getattr(train_dataset, "column_names", None) or ())
+        problems = _problems(args, anchor, columns, kwargs.get("rollout_func") is not None)
         if problems:
             raise ConfigError("rpb.integrations.trl.GRPOTrainer", problems)
         global _TOLD
@@ -121,46 +141,29 @@ class GRPOTrainer(trl.GRPOTrainer):
             _TOLD = True
         args.router_aux_loss_coef = 0.0
         self.anchor = anchor if anchor is not None else install_anchor(model, AnchorConfig(method="sft"))
-        self._own_anchor = anchor is None
         self.replay_mode = getattr(args, "replay", "off")
         self.rollout_dtype = getattr(args, "rollout_dtype", None)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         if self.model is not self.anchor.model:  # TRL wrapped it (peft_config): the routers that run are PEFT's
             self.anchor = self.anchor.reinstall(self.model)
         self.replay = RouteReplay(self.model, adapter=self.anchor.facts.model_type)
+        # generate() forwards the causal LM itself, under any PEFT wrapper: its inputs say each step's shape
+        base = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
+        self._generating = base
+        if self.rollout_func is not None:
+            self.rollout_func = self._reading_routes(self.rollout_func)
         self._pending: dict | None = None  # one generation's routes and log-probabilities
+        self._rows: list | None = None  # the generation batch's dataset rows
         self._scoring = False  # inside _generate_and_score_completions
         self._first_routes: torch.Tensor | None = None
         self._train_logps: torch.Tensor | None = None
         self._step_stack: contextlib.ExitStack | None = None
         self._micro: dict | None = None
 
-    # ---- generation: record each rollout's routes ---------------------------------------
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        if self.use_vllm or self.use_transformers_continuous_batching:
-            return super()._generate_single_turn(*args)
-        precision = (
-            torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16)
-            if self.rollout_dtype == "bfloat16"
-            else contextlib.nullcontext()
-        )
-        with GenerationRecorder(self.model, self.replay.layers, self.temperature) as rec, precision:
-            completion_ids, logprobs = super()._generate_single_turn(*args)
-        routes_BSLK = rec.routes_BSLK
-        B, P = len(prompt_ids), rec.prompt_len
-        generated = routes_BSLK.shape[1] + 1 - P
-        keep_BS = torch.zeros((B, P + generated), dtype=torch.bool)
-        last_B1 = torch.zeros((B, 1), dtype=torch.long)
-        for b, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-            keep_BS[b, P - len(p) : P + len(c)] = True
-            last_B1[b, 0] = c[-1] if len(c) == generated else 0  # only a full-length row's last token is unread
-        logps_BC = rec.logps(last_B1)
-        self._pending = {
-            "routes": rollout_routes(routes_BSLK, keep_BS),
-            "logps": [logps_BC[b, : len(c)] for b, c in enumerate(completion_ids)],
-        }
-        return completion_ids, logprobs
+    def _prior_step(self, sample_B: torch.Tensor, span_BS: torch.Tensor, mask_BS: torch.Tensor):
+        """The anchor's context for a forward of these rollouts: each token's row and span, -1 on padding."""
+        sample_BS = torch.where(mask_BS.bool(), sample_B.to(mask_BS.device)[:, None], -1)
+        return self.anchor.step(sample_BS, span_BS.to(mask_BS.device), mask_BS)
 
     def _trl_scores_old_logps(self) -> bool:
         """TRL's own condition for the old-log-prob forward in ``_generate_and_score_completions``."""
@@ -179,26 +182,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         return out
 
     def _first_forward(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
-        routes = self._pending_batch_routes(input_ids.shape[1] - logits_to_keep, logits_to_keep)
-        with self.replay.forward(routes if self.replay_mode == "R3" else None):
+        P = input_ids.shape[1] - logits_to_keep
+        routes = self._pending_batch_routes(P, logits_to_keep)
+        biased = contextlib.nullcontext()
+        if self._pending is not None and "labels" in self._pending:
+            # the forward the old log-probabilities stand for is the biased training forward; one chunk, since the
+            # anchor's context covers every row of the forward
+            kw["batch_size"] = input_ids.shape[0]
+            biased = self._prior_step(*batch_labels(self._pending["labels"], P, logits_to_keep), attention_mask)
+        with self.replay.forward(routes if self.replay_mode == "R3" else None), biased:
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *a, **kw)
         self._first_routes = self.replay.native_BSLK.cpu()
         return out
 
-    def _pending_batch_routes(self, P: int, C: int) -> torch.Tensor | None:
-        if self._pending is None:
-            return None
-        lengths = [r.shape[0] + 1 for r in self._pending["routes"]]
-        completion = [len(lp) for lp in self._pending["logps"]]
-        prompt_mask_BP = torch.zeros((len(lengths), P), dtype=torch.long)
-        completion_mask_BC = torch.zeros((len(lengths), C), dtype=torch.long)
-        for b, (n, c) in enumerate(zip(lengths, completion, strict=True)):
-            prompt_mask_BP[b, P - (n - c) :] = 1
-            completion_mask_BC[b, :c] = 1
-        return batch_routes(self._pending["routes"], prompt_mask_BP, completion_mask_BC)
-
     def _generate_and_score_completions(self, inputs):
-        self._pending, self._first_routes, self._scoring = None, None, True
+        self._pending, self._first_routes, self._scoring, self._rows = None, None, True, inputs
         try:
             output = super()._generate_and_score_completions(inputs)
             if self.replay_mode == "R2" and self._first_routes is None and self.model.training:
@@ -227,6 +225,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             output["rpb_rollout_logps"] = logps_BC.to(output["prompt_ids"].device)
         if self._first_routes is not None:
             output["rpb_first_routes"] = self._first_routes.to(output["prompt_ids"].device)
+        if self._pending is not None and "labels" in self._pending:
+            sample_B, span_BS = batch_labels(self._pending["labels"], P, C)
+            output["rpb_sample_index"] = sample_B.to(output["prompt_ids"].device)
+            output["rpb_span_ids"] = span_BS.to(output["prompt_ids"].device)
         self._pending = self._first_routes = None
         return output
 
@@ -282,6 +284,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             "first_update": (self._step % generate_every) // self.args.steps_per_generation == 0,
         }
         stack = contextlib.ExitStack()
+        if "rpb_span_ids" in inputs:
+            sample_BS = torch.where(mask_BS.bool(), inputs["rpb_sample_index"][:, None], -1)
+            span_BS = inputs["rpb_span_ids"]
         stack.enter_context(self.anchor.step(sample_BS, span_BS, mask_BS, normalised_BS))
         stack.enter_context(self.replay.forward(routes))
         self._step_stack = stack
@@ -307,29 +312,3 @@ class GRPOTrainer(trl.GRPOTrainer):
         else:  # a term on the router weights: once per optimizer step
             scale = 1.0 / self.current_gradient_accumulation_steps
         return loss + term * torch.as_tensor(scale, dtype=term.dtype, device=term.device)
-
-    # ---- the mismatch figures ------------------------------------------------------------
-    def _log_mismatch(self, micro: dict) -> None:
-        inputs, replayed = micro["inputs"], micro["routes"]
-        if "rpb_rollout_routes" not in inputs:
-            return
-        rollout = inputs["rpb_rollout_routes"]
-        native = self.replay.native_BSLK.to(rollout.device)
-        P = inputs["prompt_ids"].shape[1]
-        count_BS = completion_positions(P, inputs["completion_mask"].bool()) & routed_positions(rollout)
-        metrics = self._metrics["train"]
-        first = inputs.get("rpb_first_routes")
-        if micro["first_update"]:
-            if first is None:  # no scoring forward ran: this one is the batch's first (the buffered dict keeps it)
-                first = inputs["rpb_first_routes"] = native
-            metrics["routing/rollout_flip_rate"].append(float(flip_rate_L(rollout, first, count_BS).nanmean()))
-        elif first is not None:
-            metrics["routing/stale_flip_rate"].append(float(flip_rate_L(first, native, count_BS).nanmean()))
-        used = native if replayed is None else torch.where(replayed >= 0, replayed, native)
-        agreed_BC = agreed_for_completion(differs_BSL(rollout, used) & routed_positions(rollout)[..., None], P)
-        # the first update only: later ones add the policy's own change since the rollout (the importance ratio)
-        if micro["first_update"] and self._train_logps is not None and "rpb_rollout_logps" in inputs:
-            gap = logp_gap(inputs["rpb_rollout_logps"], self._train_logps, agreed_BC, inputs["completion_mask"])
-            for name in ("agreed", "disagreed"):
-                if gap[f"{name}_tokens"]:
-                    metrics[f"routing/rollout_logp_gap_{name}"].append(gap[name])
