@@ -6,6 +6,7 @@ from __future__ import annotations
 from tests.mutants.harness import Mutant
 
 REPLAY = "tests/replay/test_replay.py"
+RL_PRIOR = "tests/integrations/trl/test_rl_prior.py"
 GRPO = "tests/integrations/trl/test_grpo.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -113,5 +114,35 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r"if self\.replay_mode == \"R2\" and self\._first_routes is None",
         replacement="if False",
         tests=(f"{GRPO}::test_r2_forces_the_old_log_prob_forward_where_trl_would_skip_it",),
+    ),
+    Mutant(
+        name="completion_reads_the_q_prior",
+        story="a rollout's completion tokens are labelled as the question's span: RPB pulls the answer's routing "
+        "toward the prompt's, which the Q / A split of the prior exists to avoid",
+        path="integrations/trl/rl_prior.py",
+        function="batch_labels",
+        pattern=r"span_BS\[b, P : P \+ completion\] = A_SPAN",
+        replacement="span_BS[b, P : P + completion] = 0",
+        tests=(f"{RL_PRIOR}::test_the_training_forward_reads_each_tokens_row_and_span",),
+    ),
+    Mutant(
+        name="old_log_prob_forward_unbiased_under_rpb",
+        story="the old-log-prob forward runs without the bias: R2 records and replays the bias-free routing, and "
+        "the importance ratio compares a biased forward with an unbiased one",
+        path="integrations/trl/grpo.py",
+        function="GRPOTrainer._first_forward",
+        pattern=r"biased = self\._prior_step\(",
+        replacement="_ = self._prior_step(",
+        tests=(f"{RL_PRIOR}::test_r2_replays_the_biased_first_forward",),
+    ),
+    Mutant(
+        name="prompt_rendered_otherwise_accepted",
+        story="TRL's prompt tokens are not checked against rpb's labelling: a prompt rendered with another "
+        "template gives its tokens another row's or span's bias, silently",
+        path="integrations/trl/rl_prior.py",
+        function="rollout_labels",
+        pattern=r"        if differs is not None:\n            problems\.append",
+        replacement="        if False:\n            problems.append",
+        tests=(f"{RL_PRIOR}::test_a_prompt_rendered_otherwise_is_refused_naming_the_row",),
     ),
 )
