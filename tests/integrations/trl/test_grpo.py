@@ -298,3 +298,17 @@ def test_r2_forces_the_old_log_prob_forward_where_trl_would_skip_it(tok, tmp_pat
         h.remove()
     assert len(seen) == 2
     assert all("rpb_first_routes" in inputs and "old_per_token_logps" in inputs for inputs, _ in seen)
+
+
+@pytest.mark.parametrize(
+    "loss_type, level",
+    [*[(lt, "token") for lt in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "vespo")], ("luspo", "sequence"),
+     ("grpo", "sequence")],  # the last: GSPO
+)  # fmt: skip
+def test_every_supported_loss_type_and_gspo_train_with_an_anchor_and_replay(loss_type, level, tok, tmp_path):
+    trainer, anchor = trainer_for(tok, tmp_path, "kl-to-base", replay="R3", loss_type=loss_type,
+                                  importance_sampling_level=level, max_steps=2, num_iterations=2)  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    anchor.remove()

@@ -97,3 +97,34 @@ def test_r3_with_a_rollout_func_that_returns_no_routes_is_refused(tok, tmp_path)
     trainer.rollout_func = trainer._reading_routes(no_routes)
     with pytest.raises(ConfigError, match="returned no 'routed_experts'"):
         trainer.train()
+
+
+def test_under_r3_the_reference_model_routes_freely(tok, save_tiny, tmp_path):
+    """GRPO's beta > 0: TRL scores the reference on a copy loaded from the model's folder. Under R3 the policy
+    replays the engine's (shifted) experts; the reference's log-probabilities are its own free forward's."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    from rpb.integrations.trl import GRPOTrainer
+    from tests.integrations.trl.test_grpo import PROMPTS, grpo_args, reward
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny("qwen3_moe")).train()
+    data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS])
+    trainer = GRPOTrainer(model, reward, grpo_args(tmp_path, replay="R3", beta=0.04, max_steps=1), data,
+                          processing_class=tok)  # fmt: skip
+    trainer.rollout_func = trainer._reading_routes(engine_rollouts(trainer))
+    seen, _, handles = watch_training(trainer)
+    trainer.train()
+    for h in handles:
+        h.remove()
+    inputs, _ = seen[0]
+    ref = trainer.ref_model
+    assert ref is not None and ref is not trainer.model
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    C = inputs["completion_ids"].shape[1]
+    with torch.no_grad():
+        logits = ref(input_ids=ids, attention_mask=mask).logits[:, -C - 1 : -1].float()
+    free = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+    done = inputs["completion_mask"].bool()
+    torch.testing.assert_close(inputs["ref_per_token_logps"][done], free[done], rtol=1e-4, atol=1e-4)
