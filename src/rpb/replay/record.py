@@ -21,6 +21,7 @@ import torch
 from rpb.adapters import MoELayer
 from rpb.errors import ArgumentError
 from rpb.observe.hooks import Hooks, RouterCall, on_model_inputs, on_model_outputs, on_router_calls
+from rpb.replay.routes import route_dtype
 
 
 class GenerationRecorder:
@@ -72,7 +73,8 @@ class GenerationRecorder:
                 f"router {call.layer.name} chose {None if ids_TK is None else tuple(ids_TK.shape)} for a forward of "
                 f"{B} x {S} tokens: routing replay needs each token's top-k"
             )
-        self._steps[-1][call.pos] = ids_TK.detach().reshape(B, S, -1).cpu()
+        dtype = route_dtype(call.read()[0].shape[-1])
+        self._steps[-1][call.pos] = ids_TK.detach().reshape(B, S, -1).to(dtype).cpu()
 
     def _on_outputs(self, output) -> None:
         logits = output.logits if hasattr(output, "logits") else output[0]

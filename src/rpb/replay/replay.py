@@ -29,6 +29,7 @@ from torch import nn
 from rpb.adapters import find_moe_layers, get_adapter, router_spec
 from rpb.errors import ArgumentError
 from rpb.observe.hooks import Hooks, RouterCall, on_model_inputs, on_router_calls
+from rpb.replay.routes import route_dtype
 from rpb.routing import combine_weights
 
 
@@ -98,7 +99,7 @@ class RouteReplay:
             )
         key = (self._forwards, call.pos)
         if key not in self._native:  # a recomputation (checkpointing) routes alike and records nothing twice
-            self._native[key] = ids_TK.detach().reshape(B, S, -1)
+            self._native[key] = ids_TK.detach().reshape(B, S, -1).to(route_dtype(logits_TE.shape[-1]))
         if self._routes_BSLK is None:
             return None
         routes_BSK = self._routes_BSLK[self._rows, :, call.pos]

@@ -234,7 +234,7 @@ def test_rpb_with_r3_is_refused_with_the_reason(tok, tmp_path):
     pi = torch.full((len(PROMPTS), 2, L, E), 1.0 / E)
     anchor = install_anchor(model, AnchorConfig(method="rpb", beta=1.0), prior=pi)
     data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS])
-    with pytest.raises(ConfigError, match="bias-free, so the bias would choose nothing"):
+    with pytest.raises(ConfigError, match=r"bias-free .*, so replaying them cancels the bias.s effect on selection"):
         GRPOTrainer(model, reward, grpo_args(tmp_path, replay="R3"), data, processing_class=tok, anchor=anchor)
     anchor.remove()
 
