@@ -71,7 +71,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "adds a hidden load-balancing loss to every GRPO run",
         path="integrations/trl/grpo.py",
         function="GRPOTrainer.__init__",
-        pattern=r"        args\.router_aux_loss_coef = 0\.0\n",
+        pattern=r"        hold_native_aux_off\(args\)\n",
         replacement="        args.router_aux_loss_coef = None\n",
         tests=(f"{GRPO}::test_every_anchor_with_every_replay_mode_trains_three_steps[sft-off]",),
     ),

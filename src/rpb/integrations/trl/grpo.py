@@ -31,7 +31,6 @@ What this changes about TRL, and why:
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -43,14 +42,11 @@ from rpb.config import ConfigError
 from rpb.integrations.trl.rl_prior import batch_labels
 from rpb.integrations.trl.rollouts import ROUTE_READERS, RolloutRoutes
 from rpb.integrations.trl.scaling import SCALING, token_weights_BC
+from rpb.integrations.trl.sft import hold_native_aux_off
 from rpb.replay import (
     REPLAY_MODES,
     RouteReplay,
 )
-
-logger = logging.getLogger(__name__)
-
-_TOLD = False  # the aux-loss note is logged once per process
 
 
 @dataclass
@@ -130,16 +126,7 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         problems = _problems(args, anchor, columns, kwargs.get("rollout_func") is not None)
         if problems:
             raise ConfigError("rpb.integrations.trl.GRPOTrainer", problems)
-        global _TOLD
-        if not _TOLD:
-            was = "unset: TRL would use the model config's" if args.router_aux_loss_coef is None else "0.0"
-            logger.warning(
-                "rpb: router_aux_loss_coef=0.0 (%s); no native load-balancing loss in any mode, "
-                "rpb's own is anchor.method=lbl",
-                was,
-            )
-            _TOLD = True
-        args.router_aux_loss_coef = 0.0
+        hold_native_aux_off(args)
         self.anchor = anchor if anchor is not None else install_anchor(model, AnchorConfig(method="sft"))
         self.replay_mode = getattr(args, "replay", "off")
         self.rollout_dtype = getattr(args, "rollout_dtype", None)

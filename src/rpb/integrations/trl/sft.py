@@ -69,6 +69,21 @@ class SFTConfig(trl.SFTConfig):
         super().__post_init__()
 
 
+def hold_native_aux_off(args) -> None:
+    """Set TRL's ``router_aux_loss_coef`` to 0.0 (its ``None`` means the model config's own coefficient), said
+    once per process: no native load-balancing loss under any rpb method, in SFT or RL."""
+    global _TOLD
+    if not _TOLD:
+        was = "unset: TRL would use the model config's" if args.router_aux_loss_coef is None else "0.0"
+        logger.warning(
+            "rpb: router_aux_loss_coef=0.0 (%s); no native load-balancing loss under any method, "
+            "rpb's own is anchor.method=lbl",
+            was,
+        )
+        _TOLD = True
+    args.router_aux_loss_coef = 0.0
+
+
 def _checkpointing(args) -> tuple[bool, bool]:
     """(checkpointing on, reentrant) as the Trainer will apply them (transformers 5 renamed the fields)."""
     on = bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False))
@@ -130,16 +145,7 @@ class SFTTrainer(AnchorTrainerMixin, trl.SFTTrainer):
             raise ConfigError("rpb.integrations.trl.SFTTrainer", problems)
         if processing_class is None:
             raise ConfigError("SFTTrainer", ["processing_class: the tokenizer the rows were labelled with"])
-        global _TOLD
-        if not _TOLD:
-            was = "unset: TRL would use the model config's" if args.router_aux_loss_coef is None else "0.0"
-            logger.warning(
-                "rpb: router_aux_loss_coef=0.0 (%s); no native load-balancing loss under any method, "
-                "rpb's own is anchor.method=lbl",
-                was,
-            )
-            _TOLD = True
-        args.router_aux_loss_coef = 0.0
+        hold_native_aux_off(args)
         args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
         packed = bool(args.packing or args.padding_free)
         text_config = model.config.get_text_config()
