@@ -37,29 +37,13 @@ COLUMNS = ("rpb_sample_index", "rpb_input_ids", "rpb_span_ids")
 
 
 def prepare_grpo(
-    model,
-    tokenizer,
-    data_jsonl: str,
-    anchor: AnchorConfig,
-    prior: str | None = None,
-    *,
-    max_seq_len: int | None = None,
-    model_id: str | None = None,
-    chat_template_kwargs: dict | None = None,
+    model, tokenizer, data_jsonl: str, anchor: AnchorConfig, prior: str | None = None, **options
 ) -> tuple[AnchorHandle, datasets.Dataset]:
     """Label the prompts file, check the prior against it and the model (``rpb train``'s errors), install the
     anchor; returns ``(handle, dataset)`` for ``GRPOTrainer(..., train_dataset=dataset, anchor=handle)``: TRL's
-    ``prompt`` column and, per row, its sample index and rpb's tokens and span labels."""
-    handle, labelled = prepare(
-        model,
-        tokenizer,
-        data_jsonl,
-        anchor,
-        prior,
-        max_seq_len=max_seq_len,
-        model_id=model_id,
-        chat_template_kwargs=chat_template_kwargs,
-    )
+    ``prompt`` column and, per row, its sample index and rpb's tokens and span labels. ``options``: ``prepare``'s
+    keyword arguments (``max_seq_len``, ``model_id``, ``chat_template_kwargs``)."""
+    handle, labelled = prepare(model, tokenizer, data_jsonl, anchor, prior, **options)
     rows, _ = read_jsonl(data_jsonl)  # prepare has refused every bad row already
     problems, records = [], []
     for example, row in zip(labelled.examples, rows, strict=True):
