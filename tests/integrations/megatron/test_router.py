@@ -292,6 +292,20 @@ def test_context_survives_recomputation_and_removal_restores_the_router(caplog):
         assert all(torch.equal(a, c) for a, c in zip(r.routing(logits.clone()), n, strict=True))
 
 
+@pytest.mark.parametrize("method", ["kl-to-base", "logit-l2", "router-l2", "lbl", "router-freeze", "sft"])
+def test_the_loss_anchors_install_beside_megatrons_routing_replay(method):
+    """Replay hands the router its recorded top-k; a loss anchor reads the live logits or the weights, so it may
+    run beside it (docs/megatron.md); a prior selection may not (the next test)."""
+    routers = build_routers(CASES["softmax"])
+    for r in routers:
+        r.router_replay = object()  # moe_enable_routing_replay=True: a RouterReplay on every router
+    handle = install_megatron_anchor(routers, AnchorConfig(method=method, lambda_=1.0, lbl_coef=0.01))
+    assert all("routing" in vars(r) for r in routers)
+    handle.remove()
+    with pytest.raises(MegatronAnchorError, match="replayed routes would override the biased selection"):
+        install_megatron_anchor(routers, AnchorConfig(method="rpb"), prior=make_prior())
+
+
 def test_install_refuses_with_every_problem_at_once():
     case = CASES["softmax"]
     routers = build_routers(case)
