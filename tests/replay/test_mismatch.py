@@ -102,6 +102,7 @@ def test_logp_gap_means_and_counts_by_hand():
     # gaps 0.5, 0.25 / 0.0, (2.0 on padding: not counted). Agreed: 0.5 and 0.0; disagreed: 0.25
     assert got["agreed"] == pytest.approx(0.25) and got["agreed_tokens"] == 2
     assert got["disagreed"] == pytest.approx(0.25) and got["disagreed_tokens"] == 1
+    assert got["all"] == pytest.approx(0.75 / 3) and got["all_tokens"] == 3  # every completion token, padding out
     agreed_BC = torch.tensor([[False, False], [True, False]])
     got = logp_gap(rollout_BC, train_BC, agreed_BC, COMPLETION_MASK_BC)
     assert got["agreed"] == 0.0 and got["agreed_tokens"] == 1

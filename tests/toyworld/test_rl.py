@@ -54,5 +54,8 @@ def test_a_cell_of_each_kind_trains_saves_and_records_what_it_ran(label, save_ti
         assert record["settings"][key] == value
     assert record["reward"][0] is not None and 0.0 <= record["reward"][0] <= 1.0
     assert record["rollout_flip_rate"][0] is not None
+    present = [v for v in record["rollout_flip_rate"] if v is not None]
+    assert record["summary"]["flip_rate"] == pytest.approx(sum(present) / len(present))
+    assert record["summary"]["collapsed"] is False and len(record["logp_gap"]) == TINY.max_steps
     json.dumps(record)  # a cell's record is written as JSON
     AutoModelForCausalLM.from_pretrained(tmp_path / "cell" / "model")

@@ -42,12 +42,14 @@ def logp_gap(
     agreed_BC: torch.Tensor,
     completion_mask_BC: torch.Tensor,
 ) -> dict[str, float]:
-    """Mean |rollout - training| log-probability over completion tokens whose routing agreed in every layer
-    (``agreed``) and over the others (``disagreed``); NaN for a group with no token; token counts beside."""
+    """Mean |rollout - training| log-probability over every completion token (``all``), over those whose routing
+    agreed in every layer (``agreed``) and over the others (``disagreed``); NaN for a group with no token; token
+    counts beside."""
     gap_BC = (rollout_BC.double() - train_BC.double()).abs()
     mask_BC = completion_mask_BC.bool()
     out = {}
-    for name, group_BC in (("agreed", mask_BC & agreed_BC), ("disagreed", mask_BC & ~agreed_BC)):
+    groups = (("all", mask_BC), ("agreed", mask_BC & agreed_BC), ("disagreed", mask_BC & ~agreed_BC))
+    for name, group_BC in groups:
         n = int(group_BC.sum())
         out[name] = float(gap_BC[group_BC].mean()) if n else float("nan")
         out[f"{name}_tokens"] = n

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rpb.toyworld.rl_claims import collapsed
 from rpb.toyworld.tasks import Task, is_correct, sample
 
 
@@ -144,7 +145,14 @@ def train_rl_cell(
     def figure(key: str) -> list:
         return [h.get(key) for h in logs]
 
+    flips, gaps = figure("routing/rollout_flip_rate"), figure("routing/rollout_logp_gap")
     return {
+        # the claims' figures (rpb.toyworld.rl_claims): the means over training, and the collapse rule's verdict
+        "summary": {
+            "flip_rate": _mean(flips),
+            "logp_gap": _mean(gaps),
+            "collapsed": collapsed(figure("reward"), figure("loss")),
+        },
         "arm": asdict(arm) | {"trl": dict(arm.trl)},
         "seed": seed,
         "settings": settings | {"router_aux_loss_coef": trainer.router_aux_loss_coef},
@@ -152,7 +160,14 @@ def train_rl_cell(
         "reward": figure("reward"),
         "rollout_flip_rate": figure("routing/rollout_flip_rate"),
         "stale_flip_rate": figure("routing/stale_flip_rate"),
+        "logp_gap": figure("routing/rollout_logp_gap"),
         "logp_gap_agreed": figure("routing/rollout_logp_gap_agreed"),
         "logp_gap_disagreed": figure("routing/rollout_logp_gap_disagreed"),
         "loss": figure("loss"),
     }
+
+
+def _mean(values: list) -> float:
+    """The mean of the steps that logged a value (NaN if none did)."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else float("nan")

@@ -24,7 +24,7 @@ What this changes about TRL, and why:
 * **Mismatch figures** each logging step: ``routing/rollout_flip_rate`` (rollout against the first training-side
   forward's own choice), ``routing/stale_flip_rate`` (that first forward against the current one, later updates
   only), and, in a batch's first update, the log-probability gap over completion tokens whose routing agreed in
-  every layer and over the rest (``routing/rollout_logp_gap_agreed`` / ``_disagreed``).
+  every layer and over the rest (``routing/rollout_logp_gap``, ``_agreed``, ``_disagreed``).
 * ``rollout_dtype="bfloat16"`` generates under bfloat16 autocast, an engine's precision gap on the CPU.
 """
 

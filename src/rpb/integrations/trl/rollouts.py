@@ -122,6 +122,7 @@ class RolloutRoutes:
         # the first update only: later ones add the policy's own change since the rollout (the importance ratio)
         if micro["first_update"] and self._train_logps is not None and "rpb_rollout_logps" in inputs:
             gap = logp_gap(inputs["rpb_rollout_logps"], self._train_logps, agreed_BC, inputs["completion_mask"])
-            for name in ("agreed", "disagreed"):
+            for name in ("all", "agreed", "disagreed"):
                 if gap[f"{name}_tokens"]:
-                    metrics[f"routing/rollout_logp_gap_{name}"].append(gap[name])
+                    key = "routing/rollout_logp_gap" if name == "all" else f"routing/rollout_logp_gap_{name}"
+                    metrics[key].append(gap[name])
