@@ -39,7 +39,7 @@ from trl.trainer.utils import split_tensor_dict
 
 from rpb.anchors import AnchorConfig, AnchorHandle, install_anchor
 from rpb.config import ConfigError
-from rpb.integrations.trl.rl_prior import batch_labels
+from rpb.integrations.trl.rl_prior import PREPARED_COLUMNS, batch_labels
 from rpb.integrations.trl.rollouts import ROUTE_READERS, RolloutRoutes
 from rpb.integrations.trl.scaling import SCALING, token_weights_BC
 from rpb.integrations.trl.sft import hold_native_aux_off
@@ -91,7 +91,7 @@ def _problems(args, anchor: AnchorHandle | None, columns: tuple = (), has_rollou
             "stay bias-free, like the model that will be served), so replaying them cancels the bias's effect on "
             "selection; use R2 (its routes are the biased training forward's own) or off (docs/rl.md)"
         )
-    if anchor is not None and anchor.method.needs_prior and "rpb_sample_index" not in columns:
+    if anchor is not None and anchor.method.needs_prior and not set(PREPARED_COLUMNS) <= set(columns):
         out.append(
             f"anchor.method={anchor.method.name} reads a prior per row and span: build the dataset with "
             "rpb.integrations.trl.prepare_grpo (each row's sample index and rpb's labels of its prompt)"

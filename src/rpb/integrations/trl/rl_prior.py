@@ -32,8 +32,8 @@ from rpb.integrations.trl.sft import prepare
 from rpb.prior import STRUCTURAL
 
 A_SPAN = 1
-#: the dataset columns rpb adds beside TRL's ``prompt``
-COLUMNS = ("rpb_sample_index", "rpb_input_ids", "rpb_span_ids")
+#: the dataset columns rpb adds beside TRL's ``prompt`` (an RPB run's GRPOTrainer asks for them)
+PREPARED_COLUMNS = ("rpb_sample_index", "rpb_input_ids", "rpb_span_ids")
 
 
 def prepare_grpo(
