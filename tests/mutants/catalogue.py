@@ -10,6 +10,7 @@ from tests.mutants import (
     more_newcomer,
     more_prior_values,
     more_replay,
+    more_rl_grid,
     more_split,
 )
 from tests.mutants.harness import Mutant
@@ -826,4 +827,5 @@ MUTANTS: tuple[Mutant, ...] = (
     *more_families.MUTANTS,
     *more_split.MUTANTS,
     *more_replay.MUTANTS,
+    *more_rl_grid.MUTANTS,
 )

@@ -30,7 +30,8 @@ def test_every_grid_choice_is_a_grid():
     cli.add_commands(sub.add_parser)
     assert set(sub.choices) == {"demo", "experiment"}
     grid = next(a for a in sub.choices["experiment"]._actions if a.dest == "grid")
-    assert set(grid.choices) <= set(GRIDS) and grid.default in grid.choices
+    assert set(grid.choices) <= set(cli.experiment_grids()) and grid.default in grid.choices
+    assert set(cli.experiment_grids()) == {*GRIDS, "rl"}
 
 
 def test_ship_and_resume_from_exclude_each_other(capsys):

@@ -22,8 +22,11 @@ from rpb.toyworld.claims import judge, verdict_table
 from rpb.toyworld.experiment import Study
 from rpb.toyworld.figures import Difference, write_figures
 from rpb.toyworld.grids import Grid
+from rpb.toyworld.rl import RLGrid
+from rpb.toyworld.rl_report import report_rl
+from rpb.toyworld.rl_study import RLStudy
 from rpb.toyworld.stats import interval, minimal_detectable_difference, paired_differences, points, two_stage_bootstrap
-from rpb.toyworld.tables import machine_mix
+from rpb.toyworld.tables import bases_table, machine_mix
 from rpb.toyworld.world import PostRecipe
 
 REFERENCE = "sft"
@@ -77,26 +80,6 @@ def _difference(found: dict[tuple[str, str], Difference], arm: str, metric: str)
         return "—", "—", []
     per_base = " / ".join(f"b{b} {statistics.fmean(v):+.1f}" for b, v in sorted(d.per_base.items()))
     return f"{d.mean:+.1f} [{d.lo:+.1f}, {d.hi:+.1f}]", per_base, d.values
-
-
-def bases_table(studies: list) -> str:
-    """Each base: held-out exact match of its pretraining evaluation, routing structure on the probe set."""
-    facts = [st.base_facts() for st in studies]
-    domains = list(facts[0]["heldout_exact_match"])
-    header = [
-        "base",
-        *(f"{d} %" for d in domains),
-        "modularity",
-        "communities",
-        "between-domain JSD (bits)",
-        "weights sha256",
-    ]
-    lines = ["### The bases", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for f in facts:
-        em = [f"{100 * f['heldout_exact_match'][d]:.1f}" for d in domains]
-        structure = [f"{f['modularity']:.3f}", f"{f['communities']:.1f}", f"{f['between_domain_jsd_bits']:.3f}"]
-        lines.append(f"| {f['seed']} | " + " | ".join([*em, *structure, f["weights_sha256"][:12]]) + " |")
-    return "\n".join(lines) + "\n"
 
 
 def scores_table(
@@ -202,7 +185,9 @@ def regret_table(results: list[dict], calibrated: dict[tuple[int, str], float]) 
 
 def report_across(grid, studies: list, results: list[dict], out: Path) -> str:
     """tables.md, results.json, bases.json and the figures (rpb.toyworld.figures) across the bases; returns
-    the tables."""
+    the tables. The reinforcement-learning grid has its own report (rpb.toyworld.rl_report)."""
+    if isinstance(grid, RLGrid):
+        return report_rl(grid, studies, results, out)
     arms = tuple(a.label for a in grid.arms)
     parts = [
         f"# Toy-world study: grid `{grid.name}` on bases {list(grid.bases)}",
@@ -257,14 +242,20 @@ def load_results(out: Path) -> list[dict]:
     return json.loads((out / "results.json").read_text())
 
 
+def study_kind(grid) -> type[Study]:
+    """What runs one base of ``grid``: an ``RLStudy`` for the reinforcement-learning grid, else a ``Study``."""
+    return RLStudy if isinstance(grid, RLGrid) else Study
+
+
 def studies(
     grid: Grid, out: Path, cache_dir=None, progress: bool = True, keep_checkpoints: bool = False, lanes: int = 1
 ) -> list[Study]:
     """One Study per base: in ``out`` itself for a one-base grid, in ``out/base<seed>/`` otherwise."""
     post = grid.post or PostRecipe()
     where = [Path(out)] if len(grid.bases) == 1 else [Path(out) / f"base{b}" for b in grid.bases]
+    kind = study_kind(grid)
     return [
-        Study(w, grid, post, cache_dir, progress, keep_checkpoints, base_seed=b, lanes=lanes)
+        kind(w, grid, post, cache_dir, progress, keep_checkpoints, base_seed=b, lanes=lanes)
         for w, b in zip(where, grid.bases, strict=True)
     ]
 

@@ -20,21 +20,29 @@ def _demo(args) -> int:
     )
 
 
+def experiment_grids() -> dict:
+    """``rpb experiment``'s grids by name: the study's, and the reinforcement-learning grid."""
+    from rpb.toyworld.grids import GRIDS
+    from rpb.toyworld.rl import RL_GRID
+
+    return {**GRIDS, RL_GRID.name: RL_GRID}
+
+
 def _experiment(args) -> int:
     from rpb.toyworld.across import run_grid
-    from rpb.toyworld.grids import GRIDS
     from rpb.toyworld.lanes import default_lanes
     from rpb.toyworld.shipping import resume_from, ship
 
     started = time.perf_counter()
+    grid = experiment_grids()[args.grid]
     out = args.out or f"rpb-experiment-{args.grid}"
     if args.ship:
-        print(ship(GRIDS[args.grid], out, args.ship, args.cache_dir))
+        print(ship(grid, out, args.ship, args.cache_dir))
         return 0
     if args.resume_from:
-        print(resume_from(GRIDS[args.grid], out, args.resume_from))
+        print(resume_from(grid, out, args.resume_from))
     tables = run_grid(
-        GRIDS[args.grid],
+        grid,
         out,
         args.cache_dir,
         not args.no_progress,
@@ -43,7 +51,7 @@ def _experiment(args) -> int:
         bases=args.bases,
     )
     print(tables)
-    if args.bases is None or set(args.bases) >= set(GRIDS[args.grid].bases):
+    if args.bases is None or set(args.bases) >= set(grid.bases):
         print(f"wrote {out}/tables.md and results.json ({time.perf_counter() - started:.0f} s this run)")
     return 0
 
@@ -66,11 +74,11 @@ def add_commands(add) -> None:
     x.add_argument(
         "--grid",
         default="small",
-        choices=["headline", "full", "small", "beta", "cot"],
+        choices=["headline", "full", "small", "beta", "cot", "rl"],
         help="headline: sft, lbl, rpb, rpb at the calibrated beta x 5 seeds x 2 sets x 3 bases; full: every method "
         "x 3 seeds x 2 sets x 3 bases; beta: rpb over beta, likewise; small: 4 methods x 1 seed on the math set; "
         "cot: sft, lbl, rpb and the four within-* controls x 3 seeds on the long-trace set, base 0, with "
-        "transition retention",
+        "transition retention; rl: GRPO from each base's sft cell, 8 arms (replay, GSPO, anchors) x 3 seeds x 3 bases",
     )
     x.add_argument("--out", help="output directory (default: rpb-experiment-<grid>); rerun to resume")
     x.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")

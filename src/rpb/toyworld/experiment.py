@@ -84,8 +84,8 @@ class Study(StudyInputs):
         part: str | None = None,
         retention: bool = True,
     ) -> dict:
-        """One cell, trained and scored (on ``part``, or on every part of the recipe's ``score_parts``,
-        the test part's figures on top), with its retention and mechanism figures."""
+        """One cell, trained (``train``) and scored (on ``part``, or on every part of the recipe's ``score_parts``,
+        the test part's figures on top), with its routing figures (``measure``)."""
         done = where / "result.json"
         if done.is_file():
             return json.loads(done.read_text())
@@ -95,19 +95,7 @@ class Study(StudyInputs):
             anchor[fld] = weight
         if arm.calibrated:
             anchor["beta"] = self.calibrated_beta(post_set)
-        needs_prior = get_method(arm.method).needs_prior
-        ckpt, train_s = train_cell(
-            self.base(),
-            self.data(post_set),
-            self.prior(post_set) if needs_prior else None,
-            where / "model",
-            arm.method,
-            seed,
-            self.post,
-            anchor,
-            progress=self.progress,
-            label=f"{post_set} {arm.label} seed {seed}",
-        )
+        ckpt, train_s, trained = self.train(where, post_set, arm, seed, anchor)
         started = time.perf_counter()
         parts = (part,) if part else self.post.score_parts
         scores = {p: score(ckpt, post_set, self.post, p) for p in parts}
@@ -121,25 +109,10 @@ class Study(StudyInputs):
             "anchor": anchor,
             **shown,
             "scores": scores,
+            **trained,
         }
         if retention:
-            from rpb.retention.run import run_retention
-
-            traces = self.trace_set is not None
-            report = run_retention(
-                str(self.base()),
-                self.probe(),
-                where / "retention",
-                post=str(ckpt),
-                batch_size=64,
-                max_seq_len=self.post.max_seq_len,
-                progress=False,
-                transitions=traces,
-                steps_by=TRACE_STEPS if traces else None,
-            )
-            keys = ("tvd", "jsd", "topk_overlap", "nmi") + (TRANSITION_KEYS if traces else ())
-            result["retention"] = {k: report["mean"][k] for k in keys}
-            result["mechanism"] = mechanism(self.base(), ckpt, self.prior(post_set), self.data(post_set))
+            result |= self.measure(where, ckpt, post_set, result)
         result["seconds"] = {"train": train_s, "evaluate": time.perf_counter() - started}
         # the kernels' summation order follows the intra-op thread count: a redone cell is bit-identical on the
         # same machine type with the same count (OMP_NUM_THREADS). The torch build is recorded beside them (2.11
@@ -149,6 +122,47 @@ class Study(StudyInputs):
             shutil.rmtree(ckpt, ignore_errors=True)
         write_json_atomic(done, result)
         return result
+
+    def train(self, where: Path, post_set: str, arm: Arm, seed: int, anchor: dict) -> tuple[Path, float, dict]:
+        """Train one cell into ``where``: its checkpoint, the training seconds, and what the cell's record adds
+        (nothing here: ``rpb train`` keeps its own log beside the checkpoint)."""
+        needs_prior = get_method(arm.method).needs_prior
+        ckpt, train_s = train_cell(
+            self.base(),
+            self.data(post_set),
+            self.prior(post_set) if needs_prior else None,
+            where / "model",
+            arm.method,
+            seed,
+            self.post,
+            anchor,
+            progress=self.progress,
+            label=f"{post_set} {arm.label} seed {seed}",
+        )
+        return ckpt, train_s, {}
+
+    def measure(self, where: Path, ckpt: Path, post_set: str, result: dict) -> dict:
+        """A trained cell's routing figures: its retention against the base on the probe set, and the mechanism
+        (what the bias did to the routing)."""
+        from rpb.retention.run import run_retention
+
+        traces = self.trace_set is not None
+        report = run_retention(
+            str(self.base()),
+            self.probe(),
+            where / "retention",
+            post=str(ckpt),
+            batch_size=64,
+            max_seq_len=self.post.max_seq_len,
+            progress=False,
+            transitions=traces,
+            steps_by=TRACE_STEPS if traces else None,
+        )
+        keys = ("tvd", "jsd", "topk_overlap", "nmi") + (TRANSITION_KEYS if traces else ())
+        return {
+            "retention": {k: report["mean"][k] for k in keys},
+            "mechanism": mechanism(self.base(), ckpt, self.prior(post_set), self.data(post_set)),
+        }
 
     def select_weights(self, bar, only: str | None = None) -> dict[str, float]:
         """The anchor weight of every weighted method in the grid (fixed, or chosen on validation), recorded in
@@ -170,7 +184,7 @@ class Study(StudyInputs):
                 r = self.cell(
                     where,
                     self.grid.sets[0],
-                    Arm(method, method),
+                    self.selection_arm(method),
                     self.grid.seeds[0],
                     weight,
                     part="validation",
@@ -193,6 +207,10 @@ class Study(StudyInputs):
         if not path.is_file() or json.loads(path.read_text()) != record:
             write_json_atomic(path, record)
         return chosen
+
+    def selection_arm(self, method: str) -> Arm:
+        """The arm a weighted method's selection runs train (the method alone)."""
+        return Arm(method, method)
 
     def grid_cell(self, post_set: str, arm: Arm, seed: int) -> dict:
         """One of the grid's cells, at its arm's weight (fixed, or chosen by the finished selection runs)."""

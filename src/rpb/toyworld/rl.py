@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
+from rpb.toyworld.grids import BASES, SEEDS, STUDY_POST, table_weights
 from rpb.toyworld.rl_claims import collapsed
 from rpb.toyworld.tasks import Task, is_correct, sample
+from rpb.toyworld.world import PostRecipe
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class RLRecipe:
     temperature: float = 1.0
     rollout_dtype: str | None = "bfloat16"
     max_completion_length: int = 16
+    #: prompt plus completion, in tokens (the prior is collected at the same length: ``rpb`` refuses another)
+    max_seq_len: int = 128
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,15 @@ class RLArm:
     replay: str = "off"
     #: TRL GRPOConfig fields the arm sets beside the recipe's (GSPO's)
     trl: tuple[tuple[str, object], ...] = ()
+    #: what a grid's cell asks of an arm besides its method: no fixed anchor setting (the weight is chosen on
+    #: validation) and no arm at ``rpb calibrate``'s beta
+    anchor: ClassVar[tuple[tuple[str, float], ...]] = ()
+    calibrated: ClassVar[bool] = False
+
+    @property
+    def slug(self) -> str:
+        """The arm's folder name under ``runs/<set>/``."""
+        return self.label.replace(" + ", "+").replace(" ", "")
 
 
 #: the GSPO paper's settings as TRL documents them: sequence-level ratios, its narrow clipping, no KL
@@ -67,6 +81,28 @@ RL_ARMS = (
     RLArm("grpo + router-freeze", "router-freeze"),
     RLArm("grpo + rpb", "rpb"),
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RLGrid:
+    """The ``rl`` grid: GRPO arms from each base's ``sft`` start (``start_seed`` on ``sets[0]``, the ``full`` grid's
+    recipe ``post``), on the three shipped bases, scored like the other grids (``post.score_parts``)."""
+
+    name: str
+    sets: tuple[str, ...]
+    arms: tuple[RLArm, ...]
+    seeds: tuple[int, ...]
+    bases: tuple[int, ...]
+    post: PostRecipe
+    recipe: RLRecipe = field(default_factory=RLRecipe)
+    start_seed: int = 42
+    #: weights tried on the validation split, per weighted method (the ``full`` grid's candidates)
+    candidates: dict[str, tuple[float, ...]] = field(default_factory=table_weights)
+    #: the anchor weights are always chosen on validation (the grids' ``coefficients`` field)
+    coefficients: None = None
+
+
+RL_GRID = RLGrid("rl", ("math_post",), RL_ARMS, SEEDS, BASES, STUDY_POST)
 
 
 def rl_prompts(post_set: str, sft_rows: Path, recipe: RLRecipe) -> list[Task]:
@@ -113,7 +149,7 @@ def train_rl_cell(
     model = load_causal_lm(str(start), "float32").train()
     config = AnchorConfig(method=arm.method, **({"router_transform": ROUTER_TRANSFORM} | (anchor or {})))
     handle, dataset = prepare_grpo(
-        model, tokenizer, str(prompts_jsonl), config, str(prior) if prior else None, max_seq_len=128
+        model, tokenizer, str(prompts_jsonl), config, str(prior) if prior else None, max_seq_len=recipe.max_seq_len
     )
     settings = {
         "max_steps": recipe.max_steps,

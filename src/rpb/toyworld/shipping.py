@@ -25,7 +25,7 @@ from pathlib import Path
 from rpb.anchors import get_method
 from rpb.errors import RpbError
 from rpb.fileio import atomic_path
-from rpb.toyworld.across import report_across, studies
+from rpb.toyworld.across import report_across, studies, study_kind
 from rpb.toyworld.experiment import GridChangedError, Study, _quiet_loading
 from rpb.toyworld.grids import Grid
 from rpb.toyworld.world import PostRecipe
@@ -40,6 +40,7 @@ SHIPPED_FILES = (
     "calibration/*/calibrate.md",
     "selection/*/result.json",
     "runs/*/*/*/result.json",
+    "start/record.json",  # the rl grid's sft start: its weights' sha256 and scores (rpb.toyworld.rl_study)
 )
 
 
@@ -145,9 +146,9 @@ def resume_from(grid: Grid, out: Path, dest: Path) -> str:
 
 def shipped_studies(grid: Grid, dest: Path) -> list[Study]:
     """A Study over each base folder shipped in ``dest``, in the grid's order (nothing is built)."""
-    post = grid.post or PostRecipe()
+    post, kind = grid.post or PostRecipe(), study_kind(grid)
     return [
-        Study(Path(dest) / f"base{b}", grid, post, progress=False, base_seed=b)
+        kind(Path(dest) / f"base{b}", grid, post, progress=False, base_seed=b)
         for b in grid.bases
         if (Path(dest) / f"base{b}" / "grid.json").is_file()
     ]

@@ -67,6 +67,26 @@ HEADERS = {
 }
 
 
+def bases_table(studies: list) -> str:
+    """Each base: held-out exact match of its pretraining evaluation, routing structure on the probe set."""
+    facts = [st.base_facts() for st in studies]
+    domains = list(facts[0]["heldout_exact_match"])
+    header = [
+        "base",
+        *(f"{d} %" for d in domains),
+        "modularity",
+        "communities",
+        "between-domain JSD (bits)",
+        "weights sha256",
+    ]
+    lines = ["### The bases", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for f in facts:
+        em = [f"{100 * f['heldout_exact_match'][d]:.1f}" for d in domains]
+        structure = [f"{f['modularity']:.3f}", f"{f['communities']:.1f}", f"{f['between_domain_jsd_bits']:.3f}"]
+        lines.append(f"| {f['seed']} | " + " | ".join([*em, *structure, f["weights_sha256"][:12]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def machine_mix(results: list[dict]) -> str:
     """Which machine types, thread counts and torch builds the cells ran on: a grid may be continued on another
     machine only on the same pinned base, and its tables say so. Cells from before machines (or torch builds)
