@@ -33,6 +33,9 @@ def test_the_scores_table_is_the_cells_means_and_paired_differences(reported):
         ids = [100 * r["id"] for r in cells]
         assert row[1] == f"{statistics.fmean(ids):.1f} ± {statistics.stdev(ids):.1f}"
         assert row[-1] == f"{sum(r['rl']['summary']['collapsed'] for r in cells)} of {len(cells)}"
+        # under 20 logged rewards, a cell's final reward is its last
+        finals = [[v for v in r["rl"]["reward"] if v is not None][-1] for r in cells]
+        assert row[-2] == f"{statistics.fmean(finals):.3f} ± {statistics.stdev(finals):.3f}"
         facts = [100 * r["per_domain"]["facts"] for r in cells]
         assert row[8] == f"{statistics.fmean(facts):.1f} ± {statistics.stdev(facts):.1f}"
         if arm != "grpo":

@@ -60,9 +60,10 @@ def judge(results: list[dict], sets: tuple[str, ...]) -> list[Verdict]:
     return holm(verdicts)
 
 
-def verdict_table(verdicts: list[Verdict]) -> str:
+def verdict_table(verdicts: list[Verdict], claim: str = "claim (the paper's)") -> str:
+    """The verdicts as a markdown table; ``claim``: the first column's heading."""
     lines = [
-        "| claim (the paper's) | estimate | 95% CI | p | verdict | Holm-adjusted | p, t over base means | note |",
+        f"| {claim} | estimate | 95% CI | p | verdict | Holm-adjusted | p, t over base means | note |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for v in verdicts:

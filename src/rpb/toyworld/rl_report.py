@@ -90,7 +90,7 @@ def weights_line(studies: list) -> str:
 
 def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> str:
     header = ["arm", "ID %", f"Δ ID vs {PLAIN} [95% CI]", "OOD %", f"Δ OOD vs {PLAIN} [95% CI]"]
-    header += [f"{d} %" for d in DOMAINS_SHOWN] + ["collapsed cells"]
+    header += [f"{d} %" for d in DOMAINS_SHOWN] + ["final reward", "collapsed cells"]
     lines = [
         f"### {post_set}: exact match on the test part (mean ± sd over cells), each arm minus plain GRPO on the "
         "same base and seed",
@@ -106,6 +106,7 @@ def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> s
         for metric in ("id", "ood"):
             row += [_mean_sd([points(r, metric) for r in cells], 1), _difference(results, post_set, arm, metric)]
         row += [_mean_sd([100 * r["per_domain"][d] for r in cells], 1) for d in DOMAINS_SHOWN]
+        row.append(_mean_sd([final_reward(r) for r in cells], 3))
         row.append(f"{sum(r['rl']['summary']['collapsed'] for r in cells)} of {len(cells)}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
@@ -182,7 +183,7 @@ def report_rl(grid, studies: list, results: list[dict], out: Path) -> str:
         routing_table(results, arms),
         "### The claims, judged by rule (fixed before the first cell: rpb/toyworld/rl_claims.py)",
         "",
-        verdict_table(verdicts),
+        verdict_table(verdicts, "claim (fixed before the grid ran, with its margin)"),
         detectable_table(results, post_set),
         machine_mix(results),
         "",
@@ -198,9 +199,3 @@ def report_rl(grid, studies: list, results: list[dict], out: Path) -> str:
     write_rl_figure(out, f"Grid `{grid.name}`", results)
     save(claims(verdicts, f"Grid `{grid.name}`"), out / CLAIMS)
     return tables
-
-
-def final_rewards(results: list[dict]) -> dict[str, float]:
-    """Each arm's mean final reward over its cells (``rl_figures.final_reward``)."""
-    arms = list(dict.fromkeys(r["arm"] for r in results))
-    return {a: statistics.fmean(final_reward(r) for r in results if r["arm"] == a) for a in arms}
