@@ -94,3 +94,12 @@ def test_a_start_that_trains_to_other_weights_is_refused(rl_finished, tmp_path):
     (other.out / "start" / "record.json").write_text(json.dumps(record))
     with pytest.raises(StartChangedError, match=r"record\.json.*0000000000"):
         other.start()
+
+
+def test_a_start_cut_short_before_its_record_is_trained_again(rl_finished, tmp_path):
+    study, _ = rl_finished
+    other = dataclasses.replace(study, out=tmp_path / "base0")
+    (other.out / "start" / "model").mkdir(parents=True)
+    (other.out / "start" / "model" / "model.safetensors").write_bytes(b"cut short")
+    other.start()
+    assert other.start_record()["weights_sha256"] == study.start_record()["weights_sha256"]

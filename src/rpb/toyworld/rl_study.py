@@ -65,11 +65,12 @@ class RLStudy(Study):
         return self.grid.sets[0]
 
     def start(self) -> Path:
-        """The start's checkpoint (trained here if absent), checked against ``start/record.json``'s sha256."""
+        """The start's checkpoint (trained here if absent), checked against ``start/record.json``'s sha256. The
+        record is written last: a start without one (cut short before it) is trained again."""
         where, record_path = self.out / "start", self.out / "start" / "record.json"
         model = where / "model"
         recorded = json.loads(record_path.read_text()) if record_path.is_file() else None
-        if not (model / "model.safetensors").is_file():
+        if recorded is None or not (model / "model.safetensors").is_file():
             shutil.rmtree(model, ignore_errors=True)
             with _threads(1):
                 data, seed = self.data(self.post_set), self.grid.start_seed
