@@ -26,7 +26,7 @@ from rpb.toyworld.rl import RLGrid
 from rpb.toyworld.rl_report import report_rl
 from rpb.toyworld.rl_study import RLStudy
 from rpb.toyworld.stats import interval, minimal_detectable_difference, paired_differences, points, two_stage_bootstrap
-from rpb.toyworld.tables import bases_table, machine_mix
+from rpb.toyworld.tables import bases_table, machine_mix, mean_sd
 from rpb.toyworld.world import PostRecipe
 
 REFERENCE = "sft"
@@ -39,14 +39,6 @@ MECHANISM = {
     "overlap_base": "overlap with base sets",
     "overlap_prior": "overlap with prior top-k",
 }
-
-
-def _mean_sd(values: list[float], digits: int = 1) -> str:
-    if not values:
-        return "n/a"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def reference_arm(results: list[dict], arms: tuple[str, ...]) -> str:
@@ -109,7 +101,7 @@ def scores_table(
         row = [arm]
         for metric in ("id", "ood"):
             estimate, per_base, flat = _difference(by, arm, metric) if arm != ref else ("", "", [])
-            row += [_mean_sd([points(r, metric) for r in cells]), estimate, per_base]
+            row += [mean_sd([points(r, metric) for r in cells]), estimate, per_base]
             if len(flat) > 1:
                 sd = statistics.stdev(flat)
                 mdd.append(f"{arm} {metric.upper()} {minimal_detectable_difference(sd, len(flat)):.1f} (sd {sd:.1f})")
@@ -133,7 +125,7 @@ def mechanism_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -
     for arm in arms:
         cells = [r["mechanism"] for r in results if r["set"] == post_set and r["arm"] == arm and "mechanism" in r]
         if cells:
-            values = [_mean_sd([c[k] for c in cells if c.get(k) is not None], 3) for k in MECHANISM]
+            values = [mean_sd([c[k] for c in cells if c.get(k) is not None], 3) for k in MECHANISM]
             lines.append(f"| {arm} | " + " | ".join(values) + " |")
     return "\n".join(lines) + "\n"
 

@@ -16,7 +16,7 @@ from rpb.toyworld.figures import CLAIMS, claims, save
 from rpb.toyworld.rl_claims import PLAIN, judge_rl, relative_differences
 from rpb.toyworld.rl_figures import RL_FIGURE, final_reward, write_rl_figure
 from rpb.toyworld.stats import interval, minimal_detectable_difference, paired_differences, points, two_stage_bootstrap
-from rpb.toyworld.tables import bases_table, machine_mix
+from rpb.toyworld.tables import bases_table, machine_mix, mean_sd
 
 DOMAINS_SHOWN = ("math", "code", "text", "facts")
 #: the routing columns: (label, the figure under ``result["retention"]``, digits)
@@ -42,14 +42,6 @@ CLAIM_PAIRS = (
     ("8", "grpo + R3", PLAIN, "logp_gap", False),
     ("8b", "grpo + R2", PLAIN, "logp_gap", True),
 )
-
-
-def _mean_sd(values: list[float], digits: int) -> str:
-    if not values:
-        return "—"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def _difference(results: list[dict], post_set: str, arm: str, metric: str) -> str:
@@ -104,9 +96,9 @@ def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> s
             continue
         row = [arm]
         for metric in ("id", "ood"):
-            row += [_mean_sd([points(r, metric) for r in cells], 1), _difference(results, post_set, arm, metric)]
-        row += [_mean_sd([100 * r["per_domain"][d] for r in cells], 1) for d in DOMAINS_SHOWN]
-        row.append(_mean_sd([final_reward(r) for r in cells], 3))
+            row += [mean_sd([points(r, metric) for r in cells], 1, "—"), _difference(results, post_set, arm, metric)]
+        row += [mean_sd([100 * r["per_domain"][d] for r in cells], 1, "—") for d in DOMAINS_SHOWN]
+        row.append(mean_sd([final_reward(r) for r in cells], 3, "—"))
         row.append(f"{sum(r['rl']['summary']['collapsed'] for r in cells)} of {len(cells)}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
@@ -127,7 +119,7 @@ def routing_table(results: list[dict], arms: tuple[str, ...]) -> str:
         row = [arm]
         for _, keys, digits in ROUTING:
             keys = keys if isinstance(keys, tuple) else (keys,)
-            row.append(" / ".join(_mean_sd([c[k] for c in cells], digits) for k in keys))
+            row.append(" / ".join(mean_sd([c[k] for c in cells], digits, "—") for k in keys))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

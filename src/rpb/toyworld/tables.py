@@ -67,6 +67,15 @@ HEADERS = {
 }
 
 
+def mean_sd(values: list[float], digits: int = 1, empty: str = "n/a") -> str:
+    """Mean ± sample sd of ``values`` (the value alone for one; ``empty`` for none)."""
+    if not values:
+        return empty
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
 def bases_table(studies: list) -> str:
     """Each base: held-out exact match of its pretraining evaluation, routing structure on the probe set."""
     facts = [st.base_facts() for st in studies]
