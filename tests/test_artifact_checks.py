@@ -109,7 +109,7 @@ def test_validate_names_each_damage(priors, bad):
 def test_the_recorded_hash_is_the_files_own(priors):
     start, _ = data_section(priors["good"])
     meta = read_metadata(priors["good"])
-    assert meta["schema_version"] == 3
+    assert meta["schema_version"] == 4
     assert meta["tensors_sha256"] == hashlib.sha256(priors["good"].read_bytes()[start:]).hexdigest()
     assert validate_artifact(priors["good"]).ok
 

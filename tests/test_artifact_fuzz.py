@@ -30,10 +30,11 @@ def _metadata() -> dict:
         "model_type": "qwen3_moe", "model_config_sha256": "c" * 64, "routers_sha256": "r" * 64, "tokenizer": "t",
         "chat_template_sha256": "h" * 64, "chat_template_kwargs": {}, "chat_template_date": None,
         "reasoning": {"turns": 0, "dropped_turns": 0, "rows_dropped": 0}, "router_transform": "softmax",
+        "prior_kind": "probability",
         "top_k": 2, "max_seq_len": 64, "routed_positions": "all-positions-of-truncated-sequence",
         "moe_layers": [1, 2], "num_experts": E, "num_rows": N, "data_sha256": "d" * 64, "spans": ["Q", "A"],
     }  # fmt: skip
-    assert set(meta) == set(REQUIRED_METADATA)
+    assert set(meta) == set(REQUIRED_METADATA) | {"prior_kind"}
     return meta
 
 

@@ -38,10 +38,13 @@ from rpb.fileio import atomic_path
 
 SCHEMA = "rpb_prior"
 #: 2: the chat template's keyword arguments and pinned date, and the reasoning count, are recorded;
-#: 3: ``tensors_sha256``
-SCHEMA_VERSION = 3
-#: what a reader accepts: a schema-2 prior has no hash of its tensors (read with a note)
-READABLE_SCHEMA_VERSIONS = (2, 3)
+#: 3: ``tensors_sha256``; 4: ``prior_kind`` (probability, or an engine's selection frequency)
+SCHEMA_VERSION = 4
+#: what a reader accepts: a schema-2 prior has no hash of its tensors (read with a note); before 4, every prior
+#: is a probability prior
+READABLE_SCHEMA_VERSIONS = (2, 3, 4)
+#: the schema that added ``prior_kind``
+PRIOR_KIND_SCHEMA = 4
 METADATA_KEY = "rpb"
 #: metadata field: sha256 (hex) of the data section
 TENSORS_SHA256 = "tensors_sha256"
@@ -76,6 +79,11 @@ REQUIRED_METADATA: dict[str, type | tuple[type, ...]] = {
 }
 
 
+def prior_kind_of(meta: dict) -> str:
+    """A prior's kind (``rpb.prior.PRIOR_KINDS``): its ``prior_kind``, or ``probability`` before schema 4."""
+    return meta.get("prior_kind", "probability")
+
+
 @dataclass
 class PriorArtifact:
     prior_qa: torch.Tensor  # [N, 2, L, E] float32
@@ -86,6 +94,10 @@ class PriorArtifact:
     @property
     def num_rows(self) -> int:
         return self.prior_qa.shape[0]
+
+    @property
+    def kind(self) -> str:
+        return prior_kind_of(self.metadata)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"prior_qa": self.prior_qa, "span_tokens": self.span_tokens, "row_sha256": self.row_sha256}

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from rpb.artifact import (
+    PRIOR_KIND_SCHEMA,
     READABLE_SCHEMA_VERSIONS,
     REQUIRED_METADATA,
     SCHEMA,
@@ -25,6 +26,7 @@ from rpb.artifact import (
     load_artifact,
     tensors_sha256,
 )
+from rpb.prior import PRIOR_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ def metadata_problems(meta: dict) -> list[str]:
     version = meta.get("schema_version")
     if version not in READABLE_SCHEMA_VERSIONS or isinstance(version, bool):
         problems.append(f"metadata: schema_version {version!r} is not one of {list(READABLE_SCHEMA_VERSIONS)}")
+    kind = meta.get("prior_kind")
+    if isinstance(version, int) and version >= PRIOR_KIND_SCHEMA and kind not in PRIOR_KINDS:
+        problems.append(f"metadata: field 'prior_kind' is {kind!r}, expected one of {list(PRIOR_KINDS)}")
     digest = meta.get(TENSORS_SHA256)
     if digest is None and isinstance(version, int) and version >= 3:
         problems.append(f"metadata: missing field {TENSORS_SHA256!r} (schema {version})")

@@ -27,6 +27,12 @@ ROUTER_TRANSFORMS: tuple[str, ...] = get_args(RouterTransform)
 DEFAULT_EPS = 0.05
 DEFAULT_CLIP = 5.0
 
+#: what a prior averages over a span's tokens: the router's probabilities (eq. 2, the paper's prior, what an HF
+#: forward gives), or its selection (the share of the span's tokens that chose each expert, divided by top-k so a
+#: row sums to 1: what an inference engine's routes give, since no engine returns the probabilities)
+PriorKind = Literal["probability", "frequency"]
+PRIOR_KINDS: tuple[str, ...] = get_args(PriorKind)
+
 
 def router_probs(logits_TE: torch.Tensor, transform: str) -> torch.Tensor:
     """Map raw router logits z to a distribution over experts, in float32.
@@ -53,6 +59,23 @@ def span_sums(probs_BTE: torch.Tensor, span_BT: torch.Tensor) -> torch.Tensor:
     """
     onehot_BTS = torch.stack([span_BT == s for s in range(NUM_SPANS)], dim=-1).to(torch.float32)
     return torch.einsum("bts,bte->bse", onehot_BTS, probs_BTE.float())
+
+
+def selection_sums(ids_BTK: torch.Tensor, span_BT: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per-row, per-span sums of the tokens' selections, each token's top-k counting 1/k per chosen expert:
+    ``sums_BSE`` (float32). Divided by the span's token count (``span_counts``) it is the frequency prior, whose
+    rows sum to 1 as a probability prior's do. ``span_BT`` as for ``span_sums``: padding never counts."""
+    top_k = ids_BTK.shape[-1]
+    chosen_BTE = torch.zeros(*ids_BTK.shape[:2], num_experts, dtype=torch.float32, device=ids_BTK.device)
+    chosen_BTE.scatter_(-1, ids_BTK.long(), 1.0 / top_k)
+    return span_sums(chosen_BTE, span_BT)
+
+
+def clipped_share(prior_NSLE: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """``share_SL``: the share of (row, expert) pairs the clip lifts (prior below ``eps / E``), per span and layer.
+    A frequency prior's never-chosen experts are all lifted; a probability prior's rarely are."""
+    num_experts = prior_NSLE.shape[-1]
+    return (prior_NSLE.float() < eps / num_experts).float().mean(dim=(0, 3))
 
 
 def span_counts(span_BT: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
 from rpb.anchors import AnchorConfig, AnchorHandle, RunFacts, get_method, install_anchor, verify_prior
 from rpb.anchors.controls import base_communities, base_transition_communities, layer_permutations
 from rpb.anchors.transform import run_transform
+from rpb.artifact import prior_kind_of
 from rpb.artifact_checks import load_prior
 from rpb.checkpoints import CompleteMarker, resolve_resume, run_record, trim_log
 from rpb.config import RunConfig
@@ -118,6 +119,8 @@ def attach_anchor(
         "max_seq_len": max_seq_len,
         "data_sha256": data.sha256,
         "router_transform": anchor_cfg.router_transform,
+        # probability (eq. 2), or an engine's selection frequency (rpb collect --from-routes)
+        **({"prior_kind": prior_kind_of(meta)} if meta else {}),
         **data.template_settings,
         "reasoning": data.reasoning,
         "truncated_rows": data.truncated_rows,

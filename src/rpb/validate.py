@@ -19,11 +19,15 @@ import torch
 from rpb.adapters import checkpoint_routers_sha256
 from rpb.adapters.aliases import register_model_aliases
 from rpb.anchors.verify import model_mismatches
-from rpb.artifact import TENSORS_SHA256, ArtifactError, load_artifact
+from rpb.artifact import TENSORS_SHA256, ArtifactError, load_artifact, prior_kind_of
 from rpb.artifact_checks import file_problems, format_problems
+from rpb.collect.clip import clip_table, clipped_shares
 from rpb.data.jsonl import file_sha256, row_digests
 from rpb.errors import RpbError
 from rpb.retention.metrics import entropy_bits
+
+#: what a frequency prior is, where a report names its kind
+FREQUENCY_NOTE = " (an engine's selection frequency, not the router's probability)"
 
 
 @dataclass
@@ -47,11 +51,14 @@ class ValidationReport:
             f"{self.path}: OK",
             f"  samples {s['samples']}, MoE layers {s['layers']} (model layers {s['moe_layers']}), "
             f"experts {s['experts']}, transform {s['router_transform']}, top-k {s['top_k']}",
+            f"  prior kind {s['prior_kind']}" + (FREQUENCY_NOTE if s["prior_kind"] == "frequency" else ""),
             hashed,
             f"  per-layer utilization entropy (bits; max log2 E = {math.log2(s['experts']):.3f}), Q / A:",
         ]
         for layer, hq, ha in zip(s["moe_layers"], s["entropy_q_bits"], s["entropy_a_bits"], strict=True):
             lines.append(f"    layer {layer:3d}: {hq:.3f} / {ha:.3f}")
+        share_SL = torch.tensor(s["clipped_share"])
+        lines += ["  " + line for line in clip_table(share_SL, s["moe_layers"], s["prior_kind"]).splitlines()]
         return "\n".join(lines)
 
 
@@ -177,10 +184,12 @@ def validate_artifact(
             "experts": art.prior_qa.shape[3],
             "moe_layers": meta["moe_layers"],
             "router_transform": meta["router_transform"],
+            "prior_kind": prior_kind_of(meta),
             "top_k": meta["top_k"],
             "schema_version": meta["schema_version"],
             "tensors_sha256": TENSORS_SHA256 in meta,
             "entropy_q_bits": entropy_SL[0].tolist(),
             "entropy_a_bits": entropy_SL[1].tolist(),
+            "clipped_share": clipped_shares(art.prior_qa).tolist(),
         }
     return report

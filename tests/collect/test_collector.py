@@ -82,7 +82,7 @@ def assert_same_artifact(out, reference):
     for name in tensors:
         assert got[name].dtype == tensors[name].dtype and torch.equal(got[name], tensors[name]), name
     assert read_metadata(out) == meta
-    assert meta["schema_version"] == 3 and meta["tensors_sha256"] == data_section_sha256(out)
+    assert meta["schema_version"] == 4 and meta["tensors_sha256"] == data_section_sha256(out)
 
 
 def interrupt_after(monkeypatch, chunks: int):

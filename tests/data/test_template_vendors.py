@@ -251,7 +251,7 @@ def test_distilled_reasoning_rows_collect_and_train_on_deepseek_v3_1(tmp_path, c
     data = write_rows(tmp_path / "reasoning.jsonl", rows)
     prior = tmp_path / "prior.safetensors"
     meta = collect(str(model_dir), data, prior, top_k=2, max_seq_len=512, progress=False).metadata
-    assert meta["schema_version"] == 3 and meta["chat_template_kwargs"] == {} and meta["chat_template_date"] is None
+    assert meta["schema_version"] == 4 and meta["chat_template_kwargs"] == {} and meta["chat_template_date"] is None
     assert meta["reasoning"] == {"turns": 8, "dropped_turns": 8, "rows_dropped": 4}
     assert capsys.readouterr().err.count("does not render the reasoning of 8 of 8 assistant turn(s)") == 1
 

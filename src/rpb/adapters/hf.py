@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rpb.errors import ArgumentError, RpbError
-from rpb.routing import SCORE_FUNCTIONS, RouterSpec
+from rpb.routing import SCORE_FUNCTIONS, RouterSpec, select
 
 
 @dataclass(frozen=True)
@@ -337,3 +337,14 @@ def router_output(layer: MoELayer, output) -> tuple[torch.Tensor, torch.Tensor |
         f"router {layer.name} returned a {type(output).__name__}, not the (logits, weights, indices) that "
         "transformers v5 routers return"
     )
+
+
+def chosen_experts(layer: MoELayer, facts: RouterFacts, output) -> torch.Tensor:
+    """``topk_ids_TK``: the experts one router forward chose, as the model runs them: the router's own ids where it
+    returns them; else (a router returning its logits alone, the MoE block selecting) the family's own selection on
+    those logits (``rpb.routing.select``: score function, expert-correction bias, groups, top-k), which mirrors the
+    block's op for op. What an engine's routes record, and what a frequency prior counts."""
+    logits_TE, _, ids_TK = router_output(layer, output)
+    if ids_TK is not None:
+        return ids_TK
+    return select(logits_TE, router_spec(layer.router, facts), expert_bias_E=expert_bias_of(layer, facts))

@@ -69,7 +69,8 @@ def render_markdown(report: dict) -> str:
     lines = [
         "# Calibration: the prior bias on the frozen base",
         "",
-        f"- **model**: `{report['model']}`; **prior**: `{report['prior']}`; **data**: `{report['data']}`",
+        f"- **model**: `{report['model']}`; **prior**: `{report['prior']}` "
+        f"({report.get('prior_kind', 'probability')}); **data**: `{report['data']}`",
         f"- **rows**: {report['rows']} sampled (seed {report['seed']}); eps {report['eps']:g}, C {report['c']:g}; "
         f"top-{report['top_k']} of {report['num_experts']} experts, {len(report['moe_layers'])} MoE layers",
         f"- **recommended beta: {report['recommended_beta']:g}** (the largest candidate before the first whose "

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from rpb.adapters import MoELayer, find_moe_layers, routers_sha256
 from rpb.anchors import AnchorConfig, AnchorHandle, RunFacts, install_anchor, verify_prior
+from rpb.artifact import prior_kind_of
 from rpb.artifact_checks import load_prior
 from rpb.calibrate import rule
 from rpb.calibrate.measure import SUBSETS, RowSums, ratio_with_ci, same_sets, set_overlap
@@ -267,6 +268,7 @@ def calibrate(
         top_k=run.top_k,
         num_experts=run.num_experts,
         router_transform=meta["router_transform"],
+        prior_kind=prior_kind_of(meta),
     )
     if out is not None:
         from rpb.calibrate.report import write_report

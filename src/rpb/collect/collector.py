@@ -3,9 +3,10 @@
 For every row x, span s in {Q, A}, MoE layer l and expert e it computes eq. 2,
 pi[x, s, l, e] = mean over the span's tokens of p_base(e | x_t, l), where p_base is
 the prior's router transform of the raw logits that the model's own router module
-returns. The model runs in eval mode without gradients, batched with right padding
-(padding never counts), and without its LM head: the base model is loaded alone,
-since the prior needs no vocabulary logits.
+returns; or, for a ``frequency`` prior, the mean over the span's tokens of 1/k if the model's
+own selection (``rpb.adapters.chosen_experts``) chose e, else 0. The model runs in eval mode
+without gradients, batched with right padding (padding never counts), and without its LM
+head: the base model is loaded alone, since the prior needs no vocabulary logits.
 
 At scale (``collect``): the rows are cut into fixed chunks; within a chunk they are batched
 by length (less padding) and their results put back in row order; each finished chunk is
@@ -16,6 +17,7 @@ share the chunks out; the artifact is assembled from the chunks at the end.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,8 +26,9 @@ import torch
 from tqdm.auto import tqdm
 
 import rpb
-from rpb.adapters import MoELayer, find_moe_layers, routers_sha256
+from rpb.adapters import MoELayer, RouterFacts, chosen_experts, find_moe_layers, routers_sha256
 from rpb.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION, PriorArtifact, load_artifact
+from rpb.collect.clip import clip_table, clipped_shares
 from rpb.collect.dist import ranks
 from rpb.collect.rows import KEEP_TOKENS, label_range, scan_rows
 from rpb.collect.store import WorkDir
@@ -34,7 +37,16 @@ from rpb.data.reasoning import note_reasoning
 from rpb.errors import ArgumentError
 from rpb.models import DTYPES, config_sha256, load_base_model, load_tokenizer, pad_id_of, resolve_device
 from rpb.observe.hooks import Hooks, RouterCall, on_router_calls
-from rpb.prior import NUM_SPANS, ROUTER_TRANSFORMS, SPAN_NAMES, router_probs, span_counts, span_sums
+from rpb.prior import (
+    NUM_SPANS,
+    PRIOR_KINDS,
+    ROUTER_TRANSFORMS,
+    SPAN_NAMES,
+    router_probs,
+    selection_sums,
+    span_counts,
+    span_sums,
+)
 
 #: rows per chunk: the unit of writing, of resuming and of sharing out, and the window rows
 #: are batched by length within
@@ -42,15 +54,21 @@ DEFAULT_CHUNK_ROWS = 256
 
 
 class SpanAccumulator:
-    """Router hooks (``rpb.observe``) that turn each router's logits into per-span probability sums.
+    """Router hooks (``rpb.observe``) that turn each router's logits into per-span probability sums, or (``kind``
+    frequency) each router's selection into per-span selection sums (``facts``: the family, whose own selection
+    is read where the router returns none).
 
     Set ``span_BT`` before each forward; after it, ``sums_LBSE`` holds the batch's sums.
     The hooks are removed when the context exits, leaving the model as it was.
     """
 
-    def __init__(self, layers: list[MoELayer], transform: str):
+    def __init__(
+        self, layers: list[MoELayer], transform: str, kind: str = "probability", facts: RouterFacts | None = None
+    ):
+        if kind == "frequency" and facts is None:
+            raise ArgumentError("a frequency prior needs the family's facts to read each router's selection")
         self.layers = layers
-        self.transform = transform
+        self.transform, self.kind, self.facts = transform, kind, facts
         self.span_BT: torch.Tensor | None = None
         self._sums: list[torch.Tensor | None] = [None] * len(layers)
         self._hooks = Hooks()
@@ -60,8 +78,12 @@ class SpanAccumulator:
         B, T = self.span_BT.shape
         if logits.shape[0] != B * T:
             raise RuntimeError(f"router {call.layer.name} returned {logits.shape[0]} rows for a {B}x{T} batch")
-        probs_BTE = router_probs(logits.detach(), self.transform).view(B, T, -1)
-        self._sums[call.pos] = span_sums(probs_BTE, self.span_BT)
+        if self.kind == "frequency":
+            ids_BTK = chosen_experts(call.layer, self.facts, call.output).detach().view(B, T, -1)
+            self._sums[call.pos] = selection_sums(ids_BTK, self.span_BT, logits.shape[-1])
+        else:
+            probs_BTE = router_probs(logits.detach(), self.transform).view(B, T, -1)
+            self._sums[call.pos] = span_sums(probs_BTE, self.span_BT)
 
     def __enter__(self):
         self._hooks = on_router_calls(self.layers, self._add)
@@ -112,16 +134,21 @@ def collect_prior(
     pad_id: int = 0,
     progress: bool | Progress = True,
     bucket: bool = True,
+    kind: str = "probability",
+    facts: RouterFacts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(prior_NSLE, span_tokens_NS)`` for ``examples``, in their order (pure compute, no files)."""
+    """``(prior_NSLE, span_tokens_NS)`` for ``examples``, in their order (pure compute, no files). ``kind``
+    ``frequency``: the selection-frequency prior, read with the family's ``facts``."""
     if transform not in ROUTER_TRANSFORMS:
         raise ArgumentError(f"router transform must be one of {ROUTER_TRANSFORMS}, got {transform!r}")
+    if kind not in PRIOR_KINDS:
+        raise ArgumentError(f"prior kind must be one of {PRIOR_KINDS}, got {kind!r}")
     num_experts = layers[0].router.weight.shape[0]
     prior = torch.zeros(len(examples), NUM_SPANS, len(layers), num_experts, dtype=torch.float32)
     counts = torch.zeros(len(examples), NUM_SPANS, dtype=torch.int64)
     device = next(model.parameters()).device
     bar = progress if isinstance(progress, Progress) else Progress(len(examples), progress)
-    with SpanAccumulator(layers, transform) as acc:
+    with SpanAccumulator(layers, transform, kind, facts) as acc:
         for positions in plan_batches([len(e) for e in examples], batch_size, bucket):
             b = collate([examples[i] for i in positions], pad_id)
             acc.span_BT = b["span_ids"].to(device)
@@ -155,6 +182,7 @@ def collect(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     bucket: bool = True,
     chat_template_kwargs: dict | None = None,
+    prior_kind: str = "probability",
 ) -> PriorArtifact:
     """Collect the prior of ``model_id`` over ``data_jsonl`` into ``out_path``, chunk by chunk.
 
@@ -162,7 +190,8 @@ def collect(
     file (all bad rows reported at once), an interrupted run's record against this one, the
     model's top-k. Run under ``torchrun`` or ``accelerate launch``, each process takes its share
     of the chunks; rerun after an interruption, only the missing chunks are computed. Returns
-    the artifact, memory-mapped.
+    the artifact, memory-mapped. ``prior_kind`` ``frequency``: the share of each span's tokens that chose each
+    expert, divided by top-k (what an engine's routes give; ``rpb collect --from-routes``).
     """
     problems = []
     if router_transform not in ROUTER_TRANSFORMS:
@@ -173,6 +202,8 @@ def collect(
         problems.append(f"--chunk-rows must be >= 1, got {chunk_rows}")
     if dtype not in DTYPES:
         problems.append(f"--dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if prior_kind not in PRIOR_KINDS:
+        problems.append(f"--prior-kind must be one of {list(PRIOR_KINDS)}, got {prior_kind!r}")
     if problems:
         raise ArgumentError("; ".join(problems))
     tokenizer_id = tokenizer_id or model_id
@@ -193,6 +224,7 @@ def collect(
         "reasoning": reasoning,
         "truncated_rows": template.truncated_rows,
         "router_transform": router_transform,
+        "prior_kind": prior_kind,
         "top_k": int(top_k),
         "max_seq_len": int(max_seq_len),
         "routed_positions": ROUTED_ALL_POSITIONS,
@@ -240,7 +272,7 @@ def collect(
             for a, b in todo:
                 examples = label_range(rows, template, max_seq_len, a, b)
                 prior, counts = collect_prior(
-                    model, layers, examples, router_transform, batch_size, pad_id, progress=bar, bucket=bucket
+                    model, layers, examples, router_transform, batch_size, pad_id, bar, bucket, prior_kind, facts
                 )
                 store.write_chunk(a, b, prior, counts, rows.row_sha256(a, b))
                 del examples, prior, counts  # else the last chunk's prior lives on through the next one's compute
@@ -254,4 +286,8 @@ def collect(
             if rk.world == 1:
                 store.remove_if_empty()  # keep finished chunks to resume from; an empty directory is noise
             raise
-    return load_artifact(out_path)
+    artifact = load_artifact(out_path)
+    if progress and int(os.environ.get("RANK", "0")) == 0:
+        share_SL = clipped_shares(artifact.prior_qa)
+        print(clip_table(share_SL, run["moe_layers"], prior_kind), file=sys.stderr)
+    return artifact

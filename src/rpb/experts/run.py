@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rpb.adapters import find_moe_layers, routers_sha256
+from rpb.artifact import prior_kind_of
 from rpb.artifact_checks import load_prior
 from rpb.data import collate, file_sha256, load_labelled
 from rpb.errors import ArgumentError
@@ -63,6 +64,12 @@ def run_experts(
     shares_LE = None
     if model and data_jsonl:
         shares_LE = token_scores(meta, model, data_jsonl, tokenizer, span, batch_size, adapter, dtype, device, progress)
+    if measure == "gate" and prior_kind_of(meta) == "frequency":
+        logger.warning(
+            "rpb experts: %s is a frequency prior (an engine's selections, no router probabilities): the gate "
+            "measure reads each expert's selection share, not its mean gate score",
+            prior,
+        )
     scores_LE = shares_LE if measure == "token" else gate_scores(artifact.prior_qa, artifact.span_tokens, span)
     chosen = choose(scores_LE, threshold, top_n)
     unselected = None if shares_LE is None else never_selected(chosen, shares_LE, meta["moe_layers"])
@@ -74,6 +81,7 @@ def run_experts(
         "top_n": top_n,
         "prior": str(prior),
         "prior_sha256": file_sha256(prior),
+        "prior_kind": prior_kind_of(meta),
         "data_sha256": meta["data_sha256"],
         "model": meta["model"],
         "num_experts": meta["num_experts"],

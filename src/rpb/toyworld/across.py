@@ -21,6 +21,8 @@ from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.claims import judge, verdict_table
 from rpb.toyworld.experiment import Study
 from rpb.toyworld.figures import Difference, write_figures
+from rpb.toyworld.frequency import FrequencyGrid
+from rpb.toyworld.frequency_study import FrequencyStudy
 from rpb.toyworld.grids import Grid
 from rpb.toyworld.rl import RLGrid
 from rpb.toyworld.rl_report import report_rl
@@ -235,8 +237,11 @@ def load_results(out: Path) -> list[dict]:
 
 
 def study_kind(grid) -> type[Study]:
-    """What runs one base of ``grid``: an ``RLStudy`` for the reinforcement-learning grid, else a ``Study``."""
-    return RLStudy if isinstance(grid, RLGrid) else Study
+    """What runs one base of ``grid``: an ``RLStudy`` for the reinforcement-learning grid, a ``FrequencyStudy`` for
+    the frequency grid (its probability cells taken from the shipped ``beta`` grid), else a ``Study``."""
+    if isinstance(grid, RLGrid):
+        return RLStudy
+    return FrequencyStudy if isinstance(grid, FrequencyGrid) else Study
 
 
 def studies(

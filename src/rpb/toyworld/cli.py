@@ -21,11 +21,13 @@ def _demo(args) -> int:
 
 
 def experiment_grids() -> dict:
-    """``rpb experiment``'s grids by name: the study's, and the reinforcement-learning grid."""
+    """``rpb experiment``'s grids by name: the study's, the frequency-prior grid and the reinforcement-learning
+    grid."""
+    from rpb.toyworld.frequency import FREQUENCY_GRID
     from rpb.toyworld.grids import GRIDS
     from rpb.toyworld.rl import RL_GRID
 
-    return {**GRIDS, RL_GRID.name: RL_GRID}
+    return {**GRIDS, FREQUENCY_GRID.name: FREQUENCY_GRID, RL_GRID.name: RL_GRID}
 
 
 def _experiment(args) -> int:
@@ -74,9 +76,10 @@ def add_commands(add) -> None:
     x.add_argument(
         "--grid",
         default="small",
-        choices=["headline", "full", "small", "beta", "cot", "rl"],
+        choices=["headline", "full", "small", "beta", "beta-frequency", "cot", "rl"],
         help="headline: sft, lbl, rpb, rpb at the calibrated beta x 5 seeds x 2 sets x 3 bases; full: every method "
-        "x 3 seeds x 2 sets x 3 bases; beta: rpb over beta, likewise; small: 4 methods x 1 seed on the math set; "
+        "x 3 seeds x 2 sets x 3 bases; beta: rpb over beta, likewise; beta-frequency: rpb with the selection-frequency "
+        "prior at betas 0.25 and 1, paired with the beta grid's cells; small: 4 methods x 1 seed on the math set; "
         "cot: sft, lbl, rpb and the four within-* controls x 3 seeds on the long-trace set, base 0, with "
         "transition retention; rl: GRPO from each base's sft cell, 8 arms (replay, GSPO, anchors) x 3 seeds x 3 bases",
     )

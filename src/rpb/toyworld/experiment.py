@@ -125,12 +125,13 @@ class Study(StudyInputs):
 
     def train(self, where: Path, post_set: str, arm: Arm, seed: int, anchor: dict) -> tuple[Path, float, dict]:
         """Train one cell into ``where``: its checkpoint, the training seconds, and what the cell's record adds
-        (nothing here: ``rpb train`` keeps its own log beside the checkpoint)."""
+        (the prior's kind where it is not the probability prior; ``rpb train`` keeps its own log beside the
+        checkpoint)."""
         needs_prior = get_method(arm.method).needs_prior
         ckpt, train_s = train_cell(
             self.base(),
             self.data(post_set),
-            self.prior(post_set) if needs_prior else None,
+            self.prior(post_set, arm.prior_kind) if needs_prior else None,
             where / "model",
             arm.method,
             seed,
@@ -139,7 +140,7 @@ class Study(StudyInputs):
             progress=self.progress,
             label=f"{post_set} {arm.label} seed {seed}",
         )
-        return ckpt, train_s, {}
+        return ckpt, train_s, {} if arm.prior_kind == "probability" else {"prior_kind": arm.prior_kind}
 
     def measure(self, where: Path, ckpt: Path, post_set: str, result: dict) -> dict:
         """A trained cell's routing figures: its retention against the base on the probe set, and the mechanism
@@ -161,7 +162,9 @@ class Study(StudyInputs):
         keys = ("tvd", "jsd", "topk_overlap", "nmi") + (TRANSITION_KEYS if traces else ())
         return {
             "retention": {k: report["mean"][k] for k in keys},
-            "mechanism": mechanism(self.base(), ckpt, self.prior(post_set), self.data(post_set)),
+            "mechanism": mechanism(
+                self.base(), ckpt, self.prior(post_set, result.get("prior_kind", "probability")), self.data(post_set)
+            ),
         }
 
     def select_weights(self, bar, only: str | None = None) -> dict[str, float]:
@@ -230,7 +233,8 @@ class Study(StudyInputs):
         self.pin()
         g = self.grid
         for post_set in g.sets:  # every lane reads these: written here first, once
-            self.prior(post_set)
+            for kind in sorted({a.prior_kind for a in g.arms}):
+                self.prior(post_set, kind)
         self.probe()
         me = self if self.lanes <= 1 else dataclasses.replace(self, progress=False)  # no bars from the lanes
         jobs = [

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from rpb.anchors import METHODS
 from rpb.toyworld.generators import POST_SETS, TRACE_SETS
@@ -23,6 +24,8 @@ class Arm:
     anchor: tuple[tuple[str, float], ...] = ()  # fixed AnchorConfig fields besides the chosen weight
     #: beta from ``rpb calibrate``'s rule on this base, prior and data (``Study.calibrated_beta``)
     calibrated: bool = False
+    #: the prior an rpb arm trains with (``rpb.prior.PRIOR_KINDS``); a class fact, so no pinned grid changes
+    prior_kind: ClassVar[str] = "probability"
 
     @property
     def slug(self) -> str:

@@ -70,10 +70,13 @@ class StudyInputs:
             write_rows(probe_tasks(self.post, self.trace_set), path)
         return path
 
-    def prior(self, post_set: str) -> Path:
+    def prior(self, post_set: str, kind: str = "probability") -> Path:
+        """The base's prior over the set's training data: its router probabilities (eq. 2), or (``kind``
+        frequency) its selection frequency, what an engine's routes give."""
         from rpb.collect import collect
 
-        path = self.out / "priors" / f"{post_set}.safetensors"
+        name = f"{post_set}.safetensors" if kind == "probability" else f"{post_set}.{kind}.safetensors"
+        path = self.out / "priors" / name
         if not path.is_file():  # written atomically: present means complete
             collect(
                 str(self.base()),
@@ -83,6 +86,7 @@ class StudyInputs:
                 max_seq_len=self.post.max_seq_len,
                 batch_size=64,
                 progress=self.progress,
+                prior_kind=kind,
             )
         return path
 

@@ -74,7 +74,7 @@ def test_files_are_checked_against_the_prior(tmp_path):
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "rpb_version": "0", "model": "m",
         "model_type": "deepseek_v3", "model_config_sha256": "c" * 64, "routers_sha256": "r" * 64, "tokenizer": "t",
         "chat_template_sha256": "h" * 64, "chat_template_kwargs": {}, "chat_template_date": None, "reasoning": {},
-        "router_transform": "sigmoid", "top_k": 6, "max_seq_len": 8192,
+        "router_transform": "sigmoid", "prior_kind": "probability", "top_k": 6, "max_seq_len": 8192,
         "routed_positions": "all-positions-of-truncated-sequence", "moe_layers": [1], "num_experts": 64,
         "num_rows": 1, "data_sha256": file_sha256(data / "training.jsonl"), "spans": ["Q", "A"],
     }  # fmt: skip
