@@ -232,9 +232,9 @@ def test_named_errors_exit_2_with_their_message_and_bugs_exit_1_with_a_traceback
 def test_collect_counts_the_rows_cut_by_max_seq_len_in_the_log_and_the_prior(save_tiny, tmp_path, caplog, monkeypatch):
     """Rows built longer than --max-seq-len (their tokens counted through the tokenizer's own template); the
     chunks label their rows again (nothing kept from the scan here), and the count stays the rows'."""
-    from rpb.collect import collector
+    from rpb.collect import record
 
-    monkeypatch.setattr(collector, "KEEP_TOKENS", 0)
+    monkeypatch.setattr(record, "KEEP_TOKENS", 0)
     model = save_tiny("moonlight")
     short = [qa("What is 1 + 1?", "2"), qa("Name a colour.", "Blue."), qa("Hi", "Hello")]
     long = [qa("Say it often.", "again and again " * 40), qa("Count.", " ".join(str(i) for i in range(80)))]

@@ -74,3 +74,23 @@ def test_uniform_prior_gives_zero_bias_and_shapes_broadcast():
 def test_bad_clip_bounds_are_refused():
     with pytest.raises(ValueError, match="eps"):
         clip_prior(torch.ones(4) / 4, eps=2.0, clip=5.0)
+
+
+def test_selection_sums_golden_and_padding_never_counts():
+    from rpb.prior import selection_sums, span_counts
+
+    # one row of 4 positions: Q, Q, A, padding; top-2 of 4 experts
+    ids_BTK = torch.tensor([[[0, 1], [1, 2], [3, 0], [2, 3]]])
+    span_BT = torch.tensor([[0, 0, 1, STRUCTURAL]])
+    sums_BSE = selection_sums(ids_BTK, span_BT, num_experts=4)
+    # Q: expert 0 once, 1 twice, 2 once, each 1/2; A: experts 3 and 0, each 1/2
+    assert sums_BSE.tolist() == [[[0.5, 1.0, 0.5, 0.0], [0.5, 0.0, 0.0, 0.5]]]
+    freq_BSE = sums_BSE / span_counts(span_BT)[..., None]
+    assert torch.allclose(freq_BSE.sum(-1), torch.ones(1, 2))  # a row of the frequency prior sums to 1
+
+
+def test_clipped_share_golden():
+    from rpb.prior import clipped_share
+
+    prior = torch.tensor([[[[0.0, 0.5, 0.5, 0.0]], [[0.25, 0.25, 0.25, 0.25]]]])  # [N=1, S=2, L=1, E=4]
+    assert clipped_share(prior).tolist() == [[0.5], [0.0]]

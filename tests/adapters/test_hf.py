@@ -62,3 +62,22 @@ def test_registering_a_family_as_data(monkeypatch):
         register_adapter(dataclasses.replace(facts, model_type="other", score_function="relu"))
     with pytest.raises(UnsupportedModelError, match="--adapter"):
         get_adapter("not_a_family")
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3_grouped", "deepseek_v2", "qwen3_moe"])
+def test_chosen_experts_are_the_routers_own_or_the_families_rule_on_logits_alone(arch):
+    """A router that returns its ids: those. One that returns its logits alone (the block selecting): the family's
+    hand-written rule on them (tests/test_routing.py), the expert-correction bias and groups included."""
+    from rpb.adapters import chosen_experts, find_moe_layers
+    from tests.test_routing import random_hidden, reference_route, tiny_routers
+
+    model, facts, _ = tiny_routers(arch)
+    layer = find_moe_layers(model, facts)[0]
+    if facts.expert_bias:  # a bias that moves the choice, as a trained load balancer's does
+        getattr(layer.router, facts.expert_bias).data.copy_(torch.linspace(-0.3, 0.3, layer.router.weight.shape[0]))
+    with torch.no_grad():
+        logits_TE, _, ids_TK = layer.router(random_hidden(layer.router))
+    assert torch.equal(chosen_experts(layer, facts, (logits_TE, None, ids_TK)), ids_TK)
+    expected, _ = reference_route(layer.router, logits_TE.float(), torch.zeros_like(logits_TE.float()))
+    got = chosen_experts(layer, facts, logits_TE)
+    assert torch.equal(got.sort(dim=-1).values, expected.sort(dim=-1).values)

@@ -92,8 +92,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="truncated_rows_not_in_the_prior",
         story="rpb collect says how many rows it cut, but the prior's metadata does not record it",
-        path="collect/collector.py",
-        function="collect",
+        path="collect/record.py",
+        function="scan_data",
         pattern=r'"truncated_rows": template\.truncated_rows,\n\s*',
         replacement="",
         tests=(COLLECT_COUNT,),
@@ -101,8 +101,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="truncated_rows_not_logged_by_collect",
         story="rpb collect records the rows it cut in the prior but says nothing before it computes",
-        path="collect/collector.py",
-        function="collect",
+        path="collect/record.py",
+        function="scan_data",
         pattern=r"note_truncated\(template\.truncated_rows, rows\.num_rows, max_seq_len\)",
         replacement="None",
         tests=(COLLECT_COUNT,),

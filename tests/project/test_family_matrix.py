@@ -17,7 +17,10 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from rpb.adapters import find_moe_layers, get_adapter
+from rpb.artifact import load_artifact
 from rpb.collect import collect
+from rpb.collect.from_routes import collect_from_routes
+from rpb.collect.hf_routes import write_routes
 from rpb.data import AnchorCollator, load_labelled
 from rpb.experts import read_choice, train_only_experts
 from rpb.experts.run import run_experts
@@ -27,6 +30,7 @@ from rpb.monitor import MonitorConfig, RoutingMonitor, audit
 from rpb.monitor.run import run_audit
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.replicas import REPLICAS, published, routing_part
+from tests.collect.test_from_routes import hand_frequency
 from tests.test_routing import reference_route
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -127,6 +131,29 @@ def test_the_monitor_reads_moved_routers_as_a_hand_computation(name, family):
         assert 0.0 < overlap < 1.0, f"{name} layer {i}: the move should change some choices, not all"
         assert figures[f"routing/layer_{i}/topk_overlap"] == pytest.approx(float(overlap), abs=1e-9)
         assert figures[f"routing/layer_{i}/kl"] == pytest.approx(float(kl), rel=1e-4, abs=1e-7)
+
+
+# ---- priors from an engine's routes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", REPLICAS)
+def test_routes_in_vllms_layout_give_the_hand_frequency_prior(name, family, tmp_path):
+    """The mechanics of a frequency prior (random weights say nothing of its quality): routes written in vLLM's
+    layout (rpb routes) and read back (rpb collect --from-routes) give, per row, span, layer and expert, the share
+    of the span's tokens that the family's hand-written rule chose it for, over top-k; the probability prior of
+    the same rows has the same rows and spans, and every row of both sums to 1."""
+    model_dir, data, prior_path, top_k = family(name)
+    write_routes(str(model_dir), data, tmp_path / "routes.safetensors", MAX_LEN, batch_size=1)
+    freq = collect_from_routes(
+        str(model_dir), data, tmp_path / "routes.safetensors", tmp_path / "freq.safetensors", MAX_LEN, progress=False
+    )
+    assert torch.allclose(freq.prior_qa.double(), hand_frequency(model_dir, data, MAX_LEN), atol=1e-6), name
+    prob = load_artifact(prior_path)
+    assert torch.equal(freq.span_tokens, prob.span_tokens) and freq.metadata["top_k"] == top_k
+    for key in ("moe_layers", "num_experts", "routers_sha256", "data_sha256"):
+        assert freq.metadata[key] == prob.metadata[key], (name, key)
+    for art in (freq, prob):
+        assert torch.allclose(art.prior_qa.sum(-1), torch.ones(art.prior_qa.shape[:3]), atol=1e-5), name
 
 
 # ---- rpb audit -------------------------------------------------------------------------------------------------

@@ -230,3 +230,20 @@ def test_check_routes_names_the_field_it_is_given():
     )
     call = lambda: check_routes(np.array(ENGINE_ROWS), num_tokens=5, name="rollout 3", field="my routes", **MODEL)  # noqa: E731
     refusal(call, "my routes", "3 routes for 5 tokens")
+
+
+def test_fused_shared_expert_columns_after_the_top_k_are_dropped_when_given():
+    """A build whose route buffer is top_k + num_fused_shared_experts wide (SGLang's device buffer): the extra
+    column holds the shared expert's id (num_experts) or -1 (a capture of routed ids alone, padded)."""
+    for fill in (8, -1):
+        wide = np.concatenate([vllm_array(dtype=np.int32), np.full((3, 4, 1), fill, np.int32)], axis=-1)
+        got = check_routes(wide, num_tokens=NUM_TOKENS, name="r", field="f", fused_shared_experts=1, **MODEL)
+        assert got.tolist() == EXPECTED_SLK
+        with pytest.raises(ArgumentError, match=r"top-3 ids per layer \(expected top-2\)"):  # not given: refused
+            check_routes(wide, num_tokens=NUM_TOKENS, name="r", field="f", **MODEL)
+    # a column holding a routed expert's id is no shared slot
+    wide = np.concatenate([vllm_array(dtype=np.int32), np.full((3, 4, 1), 6, np.int32)], axis=-1)
+    with pytest.raises(ArgumentError, match="hold routed experts' ids, not fused shared"):
+        check_routes(wide, num_tokens=NUM_TOKENS, name="r", field="f", fused_shared_experts=1, **MODEL)
+    with pytest.raises(ArgumentError, match=r"top-3 ids per layer \(expected top-2 \+ 2 fused shared\)"):
+        check_routes(wide, num_tokens=NUM_TOKENS, name="r", field="f", fused_shared_experts=2, **MODEL)

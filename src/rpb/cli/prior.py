@@ -6,14 +6,51 @@ import os
 import sys
 
 from rpb.cli.options import betas, model_options, template_kwargs_option
+from rpb.errors import ArgumentError
 from rpb.models import DTYPES
-from rpb.prior import ROUTER_TRANSFORMS
+from rpb.prior import PRIOR_KINDS, ROUTER_TRANSFORMS
 
 
 def _collect(args) -> int:
     from rpb.collect import collect
 
-    art = collect(
+    if args.from_routes:
+        art = _collect_from_routes(args)
+    elif args.top_k is None:
+        raise ArgumentError("--top-k is required (it must equal the model's own top-k), unless --from-routes")
+    else:
+        art = _collect_forward(args, collect)
+    n, _, layers, experts = art.prior_qa.shape
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank returns the artifact; one says so
+        kind = "" if art.kind == "probability" else f" ({art.kind} prior)"
+        print(f"wrote {args.out_path}: {n} samples x 2 spans x {layers} MoE layers x {experts} experts{kind}")
+    return 0
+
+
+def _collect_from_routes(args):
+    from rpb.collect.from_routes import collect_from_routes
+
+    if args.prior_kind not in (None, "frequency"):
+        raise ArgumentError("--from-routes collects a frequency prior (engines return no router probabilities)")
+    return collect_from_routes(
+        args.model,
+        args.data_jsonl,
+        args.from_routes,
+        args.out_path,
+        max_seq_len=args.max_seq_len,
+        top_k=args.top_k,
+        router_transform=args.router_transform,
+        tokenizer_id=args.tokenizer,
+        adapter=args.adapter,
+        progress=not args.no_progress,
+        chunk_rows=args.chunk_rows,
+        chat_template_kwargs=args.chat_template_kwargs,
+        fused_shared_experts=args.fused_shared_experts,
+    )
+
+
+def _collect_forward(args, collect):
+    return collect(
         args.model,
         args.data_jsonl,
         args.out_path,
@@ -30,10 +67,33 @@ def _collect(args) -> int:
         chunk_rows=args.chunk_rows,
         bucket=not args.no_bucket,
         chat_template_kwargs=args.chat_template_kwargs,
+        prior_kind=args.prior_kind or "probability",
     )
-    n, _, layers, experts = art.prior_qa.shape
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank returns the artifact; one says so
-        print(f"wrote {args.out_path}: {n} samples x 2 spans x {layers} MoE layers x {experts} experts")
+
+
+def _routes(args) -> int:
+    from rpb.collect.hf_routes import write_requests, write_routes
+
+    if args.requests:
+        n = write_requests(
+            args.data_jsonl, args.requests, args.tokenizer or args.model, args.max_seq_len, args.chat_template_kwargs
+        )
+        print(f"wrote {args.requests}: {n} requests (rpb's token ids of each row, for an engine's prompt_token_ids)")
+        return 0
+    if not args.out:
+        raise ArgumentError("rpb routes needs --out (the route file), or --requests (the engine's requests)")
+    n = write_routes(
+        args.model,
+        args.data_jsonl,
+        args.out,
+        args.max_seq_len,
+        batch_size=args.batch_size,
+        tokenizer_id=args.tokenizer,
+        adapter=args.adapter,
+        dtype=args.dtype,
+        chat_template_kwargs=args.chat_template_kwargs,
+    )
+    print(f"wrote {args.out}: routes of {n} rows in vLLM's layout (rpb collect --from-routes reads it)")
     return 0
 
 
@@ -97,7 +157,7 @@ def add_commands(add) -> None:
     c.add_argument("--model", required=True, help="base checkpoint directory or hub id")
     c.add_argument("--data-jsonl", required=True, help="training conversations, one JSON object per line")
     c.add_argument("--out-path", required=True, help="where to write the .safetensors prior")
-    c.add_argument("--top-k", type=int, required=True, help="must equal the model's own top-k")
+    c.add_argument("--top-k", type=int, help="must equal the model's own top-k (required unless --from-routes)")
     c.add_argument("--max-seq-len", type=int, required=True, help="right-truncate to this many routed positions")
     c.add_argument("--router-transform", default="softmax", choices=ROUTER_TRANSFORMS)
     c.add_argument("--batch-size", type=int, default=8)
@@ -112,9 +172,45 @@ def add_commands(add) -> None:
         "--chunk-rows", type=int, default=256, help="rows per chunk written to <out>.partial/ (resume, shard unit)"
     )
     c.add_argument("--no-bucket", action="store_true", help="batch rows in file order, not by length")
+    c.add_argument(
+        "--prior-kind",
+        choices=PRIOR_KINDS,
+        help="probability: the router's probabilities per span (the paper's prior; the default of a forward); "
+        "frequency: the share of the span's tokens choosing each expert, over top-k (what an engine's routes give; "
+        "the default and only kind of --from-routes)",
+    )
+    c.add_argument(
+        "--from-routes",
+        metavar="ROUTES",
+        help="no forward: a frequency prior from the routes an engine returned for these rows (rpb's route file: "
+        "rpb routes, or an engine's output saved with rpb.replay.routefile.save_routes; docs/collect.md)",
+    )
+    c.add_argument(
+        "--fused-shared-experts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--from-routes: the columns after the top-k that an SGLang build returns for its fused shared "
+        "experts (num_fused_shared_experts), dropped once checked (default 0: SGLang 0.5.23 and vLLM return none)",
+    )
     template_kwargs_option(c)
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(func=_collect)
+
+    o = add("routes", help="routes of an HF model over a JSONL file in vLLM's layout, or the requests for an engine")
+    o.add_argument("--model", required=True, help="checkpoint directory or hub id (--requests: its tokenizer)")
+    o.add_argument("--data-jsonl", required=True, help="the rows, as rpb collect reads them")
+    o.add_argument("--max-seq-len", type=int, required=True, help="right-truncate each row as rpb collect does")
+    o.add_argument("--out", help="where to write the route file (.safetensors)")
+    o.add_argument(
+        "--requests",
+        metavar="JSONL",
+        help="write no routes: each row's token ids, to send an engine as prompt_token_ids (no model is loaded)",
+    )
+    o.add_argument("--tokenizer", help="default: --model")
+    model_options(o)
+    template_kwargs_option(o)
+    o.set_defaults(func=_routes)
 
     v = add("validate", help="check a prior artifact, optionally against its data and model")
     v.add_argument("artifact")

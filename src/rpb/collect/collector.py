@@ -25,15 +25,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-import rpb
 from rpb.adapters import MoELayer, RouterFacts, chosen_experts, find_moe_layers, routers_sha256
-from rpb.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION, PriorArtifact, load_artifact
+from rpb.artifact import PriorArtifact, load_artifact
 from rpb.collect.clip import clip_table, clipped_shares
 from rpb.collect.dist import ranks
-from rpb.collect.rows import KEEP_TOKENS, label_range, scan_rows
+from rpb.collect.record import scan_data
+from rpb.collect.rows import label_range
 from rpb.collect.store import WorkDir
-from rpb.data import ChatTemplate, Example, collate, note_truncated
-from rpb.data.reasoning import note_reasoning
+from rpb.data import Example, collate
 from rpb.errors import ArgumentError
 from rpb.models import DTYPES, config_sha256, load_base_model, load_tokenizer, pad_id_of, resolve_device
 from rpb.observe.hooks import Hooks, RouterCall, on_router_calls
@@ -41,7 +40,6 @@ from rpb.prior import (
     NUM_SPANS,
     PRIOR_KINDS,
     ROUTER_TRANSFORMS,
-    SPAN_NAMES,
     router_probs,
     selection_sums,
     span_counts,
@@ -208,33 +206,19 @@ def collect(
         raise ArgumentError("; ".join(problems))
     tokenizer_id = tokenizer_id or model_id
     tokenizer = load_tokenizer(tokenizer_id, trust_remote_code)
-    template = ChatTemplate(tokenizer, chat_template_kwargs)
-    rows = scan_rows(data_jsonl, template, max_seq_len, KEEP_TOKENS)  # raises DataError before any compute
-    reasoning = template.reasoning.as_dict()  # the scan's count (chunks label their rows again)
-    note_reasoning(reasoning, template.settings)
-    note_truncated(template.truncated_rows, rows.num_rows, max_seq_len)  # the scan's count, as reasoning's
-    run = {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "rpb_version": rpb.__version__,
-        "model": str(model_id),
-        "tokenizer": str(tokenizer_id),
-        "chat_template_sha256": template.sha256,
-        **template.settings,
-        "reasoning": reasoning,
-        "truncated_rows": template.truncated_rows,
-        "router_transform": router_transform,
-        "prior_kind": prior_kind,
-        "top_k": int(top_k),
-        "max_seq_len": int(max_seq_len),
-        "routed_positions": ROUTED_ALL_POSITIONS,
-        "num_rows": rows.num_rows,
-        "num_tokens": rows.num_tokens,
-        "data_sha256": rows.sha256,
-        "data_file": Path(data_jsonl).name,
-        "spans": list(SPAN_NAMES),
-        "dtype": dtype,
-    }
+    scanned = scan_data(
+        data_jsonl,
+        tokenizer,
+        model_id=model_id,
+        tokenizer_id=tokenizer_id,
+        max_seq_len=max_seq_len,
+        top_k=top_k,
+        router_transform=router_transform,
+        prior_kind=prior_kind,
+        dtype=dtype,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    rows, template, run = scanned.rows, scanned.template, scanned.run
     WorkDir(out_path, run, chunk_rows).check()  # a mismatched interrupted run is refused before the model loads
 
     with ranks() as rk:

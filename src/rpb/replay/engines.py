@@ -35,7 +35,10 @@ those sources build them):
   OpenAI-compatible server sends the same string as ``sglext.routed_experts``
   (sglang/srt/entrypoints/openai/protocol.py:470-477).
 
-Both take the ids from the router's top-k, so a row's k ids are distinct; a row that repeats one is refused (it is
+A build that returns SGLang's fused shared experts' columns after the top-k (ids at ``num_experts`` and up, or -1)
+has them dropped when their count is given (``fused_shared_experts``; checked, never guessed: an id past the
+experts is otherwise an error). Both take the ids from the router's top-k, so a row's k ids are
+distinct; a row that repeats one is refused (it is
 what a dense layer wrongly listed among the MoE layers reads as: all zeros).
 """
 
@@ -146,8 +149,10 @@ def check_routes(
     name: str,
     field: str,
     num_layers: int | None = None,
+    fused_shared_experts: int = 0,
 ) -> torch.Tensor:
     """``routes_SLK`` from an engine's ``[rows, layers, top_k]`` integer array, every problem refused at once.
+    ``fused_shared_experts``: the columns past top-k that hold fused shared experts' slots (dropped once checked).
 
     The layer axis may hold every decoder layer (``num_layers`` of them; the MoE ones are kept) or the MoE layers
     only. Refused, naming ``name`` and ``field``: a row count other than ``num_tokens - 1``, a layer count or top-k
@@ -181,6 +186,15 @@ def check_routes(
             f"{width} layers (expected {layers} decoder layers, or the {len(moe_layers)} MoE layers "
             f"{_short(moe_layers)} alone)"
         )
+    if fused_shared_experts:
+        if k != top_k + fused_shared_experts:
+            problems.append(f"top-{k} ids per layer (expected top-{top_k} + {fused_shared_experts} fused shared)")
+        elif not _fused_shared_columns(raw_SXK[:, picked, top_k:], num_experts):
+            problems.append(
+                f"the last {fused_shared_experts} column(s) hold routed experts' ids, not fused shared experts' "
+                f"(ids from {num_experts} on, or -1)"
+            )
+        k, raw_SXK = top_k, raw_SXK[..., :top_k]
     if k != top_k:
         problems.append(f"top-{k} ids per layer (expected top-{top_k})")
     ids_SLK = raw_SXK[:, picked, :].astype(np.int64)
@@ -191,6 +205,15 @@ def check_routes(
             + "\n".join(f"  - {p}" for p in problems)
         )
     return torch.from_numpy(np.ascontiguousarray(ids_SLK))
+
+
+def _fused_shared_columns(extra_SXJ: np.ndarray, num_experts: int) -> bool:
+    """Whether the columns past top-k hold fused shared experts' slots: SGLang sizes its device buffer
+    ``num_experts_per_tok + num_fused_shared_experts`` wide (sglang/srt/state_capturer/routed_experts.py:85-92;
+    0.5.23 returns the first ``num_experts_per_tok`` alone, lines 136-148), the extra columns holding the shared
+    experts' ids (at ``num_experts`` and up) or -1 where a capture passed routed ids only (lines 109-121). Never
+    a routed expert's id."""
+    return extra_SXJ.size > 0 and bool(((extra_SXJ < 0) | (extra_SXJ >= num_experts)).all())
 
 
 def _id_problems(ids_SLK: np.ndarray, labels: list[int], num_experts: int) -> list[str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rpb.adapters import MoELayer
+from rpb.adapters import MoELayer, RouterFacts, chosen_experts
 from rpb.errors import ArgumentError
 from rpb.observe.hooks import Hooks, RouterCall, on_model_inputs, on_model_outputs, on_router_calls
 from rpb.replay.routes import route_dtype
@@ -27,12 +27,20 @@ from rpb.replay.routes import route_dtype
 class GenerationRecorder:
     """``with GenerationRecorder(model, layers, temperature) as rec: out = model.generate(...)``, then
     ``rec.routes_BSLK`` and ``rec.logps(out_ids)``. ``model`` is the module ``generate`` forwards (the causal LM,
-    under any PEFT wrapper), ``layers`` its MoE layers (``rpb.adapters.find_moe_layers``)."""
+    under any PEFT wrapper), ``layers`` its MoE layers (``rpb.adapters.find_moe_layers``). ``facts``: the family,
+    for routers that return their logits alone (the MoE block selects): their selection is the family's own
+    (``rpb.adapters.chosen_experts``); without it such a router is refused."""
 
-    def __init__(self, model: torch.nn.Module, layers: list[MoELayer], temperature: float = 1.0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layers: list[MoELayer],
+        temperature: float = 1.0,
+        facts: RouterFacts | None = None,
+    ):
         if temperature <= 0:
             raise ArgumentError(f"temperature={temperature}: the log-probabilities need a positive temperature")
-        self.model, self.layers, self.temperature = model, layers, float(temperature)
+        self.model, self.layers, self.temperature, self.facts = model, layers, float(temperature), facts
         self._hooks = Hooks()
         self._shape: tuple[int, int] | None = None
         self._steps: list[list[torch.Tensor]] = []  # per forward: each layer's ids [B, s, K]
@@ -66,14 +74,16 @@ class GenerationRecorder:
         self._steps.append([None] * len(self.layers))
 
     def _on_router(self, call: RouterCall) -> None:
-        _, _, ids_TK = call.read()
+        logits_TE, _, ids_TK = call.read()
+        if self.facts is not None:
+            ids_TK = chosen_experts(call.layer, self.facts, call.output)
         B, S = self._shape
         if ids_TK is None or ids_TK.shape[0] != B * S:
             raise ArgumentError(
                 f"router {call.layer.name} chose {None if ids_TK is None else tuple(ids_TK.shape)} for a forward of "
                 f"{B} x {S} tokens: routing replay needs each token's top-k"
             )
-        dtype = route_dtype(call.read()[0].shape[-1])
+        dtype = route_dtype(logits_TE.shape[-1])
         self._steps[-1][call.pos] = ids_TK.detach().reshape(B, S, -1).to(dtype).cpu()
 
     def _on_outputs(self, output) -> None:

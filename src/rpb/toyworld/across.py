@@ -22,25 +22,20 @@ from rpb.toyworld.claims import judge, verdict_table
 from rpb.toyworld.experiment import Study
 from rpb.toyworld.figures import Difference, write_figures
 from rpb.toyworld.frequency import FrequencyGrid
+from rpb.toyworld.frequency_report import report_frequency
 from rpb.toyworld.frequency_study import FrequencyStudy
 from rpb.toyworld.grids import Grid
 from rpb.toyworld.rl import RLGrid
 from rpb.toyworld.rl_report import report_rl
 from rpb.toyworld.rl_study import RLStudy
 from rpb.toyworld.stats import interval, minimal_detectable_difference, paired_differences, points, two_stage_bootstrap
-from rpb.toyworld.tables import bases_table, machine_mix, mean_sd
+from rpb.toyworld.tables import bases_table, machine_mix, mean_sd, mechanism_table
 from rpb.toyworld.world import PostRecipe
 
 REFERENCE = "sft"
 #: a first estimate of one cell's minutes on 2 CPU cores with the grids' recipe (train, score both parts,
 #: retention, mechanism), replaced by the mean of finished cells once there are some
 FIRST_ESTIMATE_MINUTES = 2.5
-MECHANISM = {
-    "start_displacement": "displaced before training",
-    "bias_changed": "changed during training",
-    "overlap_base": "overlap with base sets",
-    "overlap_prior": "overlap with prior top-k",
-}
 
 
 def reference_arm(results: list[dict], arms: tuple[str, ...]) -> str:
@@ -117,21 +112,6 @@ def scores_table(
     return "\n".join(lines)
 
 
-def mechanism_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> str:
-    lines = [
-        f"### {post_set}: what the training did to the routing (content tokens, mean ± sd over cells)",
-        "",
-        "| method | " + " | ".join(MECHANISM.values()) + " |",
-        "|---" * (len(MECHANISM) + 1) + "|",
-    ]
-    for arm in arms:
-        cells = [r["mechanism"] for r in results if r["set"] == post_set and r["arm"] == arm and "mechanism" in r]
-        if cells:
-            values = [mean_sd([c[k] for c in cells if c.get(k) is not None], 3) for k in MECHANISM]
-            lines.append(f"| {arm} | " + " | ".join(values) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def _beta_of(result: dict) -> float | None:
     """The beta a cell trained with: ``rpb`` cells carry it in their anchor (the default when not set), and
     ``sft`` is ``rpb`` at beta 0 bit for bit; other methods have none."""
@@ -182,6 +162,8 @@ def report_across(grid, studies: list, results: list[dict], out: Path) -> str:
     the tables. The reinforcement-learning grid has its own report (rpb.toyworld.rl_report)."""
     if isinstance(grid, RLGrid):
         return report_rl(grid, studies, results, out)
+    if isinstance(grid, FrequencyGrid):
+        return report_frequency(grid, studies, results, out)
     arms = tuple(a.label for a in grid.arms)
     parts = [
         f"# Toy-world study: grid `{grid.name}` on bases {list(grid.bases)}",

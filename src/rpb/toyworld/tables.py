@@ -281,3 +281,27 @@ def plot_retention(results: list[dict], sets: tuple[str, ...], arms: tuple[str, 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+#: the mechanism table's columns: what the bias did to the routing (``world.mechanism``)
+MECHANISM = {
+    "start_displacement": "displaced before training",
+    "bias_changed": "changed during training",
+    "overlap_base": "overlap with base sets",
+    "overlap_prior": "overlap with prior top-k",
+}
+
+
+def mechanism_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> str:
+    lines = [
+        f"### {post_set}: what the training did to the routing (content tokens, mean ± sd over cells)",
+        "",
+        "| method | " + " | ".join(MECHANISM.values()) + " |",
+        "|---" * (len(MECHANISM) + 1) + "|",
+    ]
+    for arm in arms:
+        cells = [r["mechanism"] for r in results if r["set"] == post_set and r["arm"] == arm and "mechanism" in r]
+        if cells:
+            values = [mean_sd([c[k] for c in cells if c.get(k) is not None], 3) for k in MECHANISM]
+            lines.append(f"| {arm} | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"

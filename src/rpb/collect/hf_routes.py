@@ -1,0 +1,116 @@
+"""``rpb routes``: routes from an HF model in vLLM's exact layout, for a user without an engine (and the tests);
+and ``rpb routes --requests``: the token ids to send an engine, rpb's labelling of every row.
+
+Shape legend: B = rows of a batch, P = the batch's right-padded length, L = MoE layers, X = decoder layers,
+K = top-k, N = one row's tokens.
+
+Each row is run as the engine runs a prefill-only request: one forward of the row's tokens (the prefill; the one
+token an engine then generates is never forwarded, so the row gets one route per token), under the routing-replay
+recorder (``rpb.replay.record.GenerationRecorder``), which keeps each MoE layer's top-k at every forwarded
+position. Rows are right-padded, as the collector batches them, so each keeps its own positions. The
+route is laid out as vLLM returns ``routed_experts`` for the request: ``[num_tokens - 1, num_hidden_layers,
+top_k]`` (``num_tokens`` = the row's tokens + the generated one), each MoE layer at its decoder-layer index and a
+dense layer's columns left 0, vLLM's ``uint8`` for at most 256 experts, else ``uint16``
+(``rpb.replay.engines`` cites the sources). The route file (``rpb.replay.routefile``) records the model's router
+fingerprint, so ``rpb collect --from-routes`` refuses it for another model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
+from rpb.collect.collector import plan_batches
+from rpb.collect.rows import KEEP_TOKENS, label_range, scan_rows
+from rpb.data import ChatTemplate, Example
+from rpb.fileio import write_text_atomic
+from rpb.models import load_base_model, load_tokenizer, pad_id_of
+from rpb.replay.record import GenerationRecorder
+from rpb.replay.routefile import save_routes
+
+
+def vllm_dtype(num_experts: int) -> np.dtype:
+    """vLLM's id type: uint8 up to 256 experts, else uint16 (routed_experts_capturer.py:84)."""
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
+
+
+@torch.inference_mode()
+def hf_routes(model, examples: list[Example], pad_id: int, batch_size: int = 8, adapter: str | None = None):
+    """Each row's routes in vLLM's layout (``[N, num_hidden_layers, K]``), in ``examples``' order, and the
+    routers' fingerprint; ``model``: the base model (``rpb.models.load_base_model``) or the causal LM."""
+    facts = get_adapter(adapter or model.config.model_type)
+    layers = find_moe_layers(model, facts)
+    num_layers = int(model.config.get_text_config().num_hidden_layers)
+    at = [m.layer_index for m in layers]
+    num_experts = int(layers[0].router.weight.shape[0])
+    out: list[np.ndarray | None] = [None] * len(examples)
+    device = next(model.parameters()).device
+    for positions in plan_batches([len(e) for e in examples], batch_size):
+        P = max(len(examples[i]) for i in positions)
+        ids_BP = torch.full((len(positions), P), pad_id, dtype=torch.long)
+        mask_BP = torch.zeros((len(positions), P), dtype=torch.long)
+        for b, i in enumerate(positions):
+            n = len(examples[i])
+            ids_BP[b, :n] = torch.tensor(examples[i].input_ids)
+            mask_BP[b, :n] = 1
+        with GenerationRecorder(model, layers, facts=facts) as rec:
+            model(input_ids=ids_BP.to(device), attention_mask=mask_BP.to(device), use_cache=False)
+        routes_BPLK = rec.routes_BSLK  # the prefill's P positions
+        for b, i in enumerate(positions):
+            n = len(examples[i])
+            routes_NXK = np.zeros((n, num_layers, routes_BPLK.shape[-1]), dtype=vllm_dtype(num_experts))
+            routes_NXK[:, at] = routes_BPLK[b, :n].numpy()
+            out[i] = routes_NXK
+    return out, routers_sha256(layers, facts)
+
+
+def _labelled(data_jsonl, tokenizer_id: str, max_seq_len: int, chat_template_kwargs: dict | None):
+    template = ChatTemplate(load_tokenizer(tokenizer_id), chat_template_kwargs)
+    rows = scan_rows(data_jsonl, template, max_seq_len, KEEP_TOKENS)  # every bad row refused at once
+    return rows, label_range(rows, template, max_seq_len, 0, rows.num_rows), template
+
+
+def write_routes(
+    model_id: str,
+    data_jsonl: str | Path,
+    out_path: str | Path,
+    max_seq_len: int,
+    batch_size: int = 8,
+    tokenizer_id: str | None = None,
+    adapter: str | None = None,
+    dtype: str = "float32",
+    chat_template_kwargs: dict | None = None,
+) -> int:
+    """``rpb routes``: the route file of ``model_id`` over every row of ``data_jsonl``; returns the row count."""
+    rows, examples, template = _labelled(data_jsonl, tokenizer_id or model_id, max_seq_len, chat_template_kwargs)
+    model, _ = load_base_model(model_id, dtype, adapter)  # no LM head: the routes need none
+    routes, fingerprint = hf_routes(model, examples, pad_id_of(template.tokenizer), batch_size, adapter)
+    save_routes(
+        out_path,
+        [e.input_ids for e in examples],
+        routes,
+        engine="hf generate (rpb routes), vLLM layout",
+        routers_sha256=fingerprint,
+        model=str(model_id),
+        data_sha256=rows.sha256,
+    )
+    return len(examples)
+
+
+def write_requests(
+    data_jsonl: str | Path,
+    out_path: str | Path,
+    tokenizer_id: str,
+    max_seq_len: int,
+    chat_template_kwargs: dict | None = None,
+) -> int:
+    """``rpb routes --requests``: one JSON line per row, ``{"row": i, "prompt_token_ids": [...]}``, the tokens an
+    engine must be sent for the routes to match rpb's labelling; returns the row count."""
+    _, examples, _ = _labelled(data_jsonl, tokenizer_id, max_seq_len, chat_template_kwargs)
+    lines = [json.dumps({"row": e.index, "prompt_token_ids": list(e.input_ids)}) for e in examples]
+    write_text_atomic(out_path, "".join(line + "\n" for line in lines))
+    return len(examples)

@@ -1,0 +1,158 @@
+"""rpb's route file: the routes an engine (or ``rpb routes``) returned for a data file's rows, with the token ids
+they were computed on, in one safetensors file (never pickled).
+
+Shape legend: R = every row's routes back to back, X = the engine's layer axis (every decoder layer, as vLLM and
+SGLang size it, or the MoE layers alone), K = top-k, T = every row's tokens back to back, N = rows.
+
+Tensors
+  routes         int16 [R, X, K]  expert ids, as the engine returned them (dense layers' columns kept as they are)
+  token_ids      int64 [T]        the tokens each request was sent (``prompt_token_ids``)
+  route_offsets  int64 [N + 1]    row i's routes are ``routes[route_offsets[i]:route_offsets[i + 1]]``
+  token_offsets  int64 [N + 1]    row i's tokens likewise
+Metadata (header key ``rpb_routes``): ``schema``, ``schema_version``, ``engine`` (what produced the routes),
+``routers_sha256`` (the model's router fingerprint, ``rpb.adapters``; null for an engine's arrays, which carry no
+model identity), ``model`` (null where unknown), ``data_sha256`` (of the data file the requests were made from;
+null where unknown).
+
+A row sent as a prefill-only request (its tokens, one generated token that is never forwarded) has one route per
+token: ``rpb collect --from-routes`` refuses any other count. The file stores what it is given; the checks
+against a model and a data file are the reader's (``rpb.collect.from_routes``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from rpb.artifact import atomic_save
+from rpb.errors import RpbError
+
+ROUTES_SCHEMA = "rpb_routes"
+ROUTES_SCHEMA_VERSION = 1
+ROUTES_KEY = "rpb_routes"
+TENSORS = ("routes", "token_ids", "route_offsets", "token_offsets")
+
+
+class RouteFileError(RpbError):
+    """A file that is not a readable rpb route file (every problem named)."""
+
+
+@dataclass
+class RouteFile:
+    routes_RXK: torch.Tensor
+    token_ids_T: torch.Tensor
+    route_offsets: torch.Tensor
+    token_offsets: torch.Tensor
+    metadata: dict
+
+    @property
+    def num_rows(self) -> int:
+        return self.route_offsets.numel() - 1
+
+    def routes(self, row: int) -> torch.Tensor:
+        """``routes_SXK`` of row ``row`` (int16, as stored)."""
+        return self.routes_RXK[int(self.route_offsets[row]) : int(self.route_offsets[row + 1])]
+
+    def tokens(self, row: int) -> list[int]:
+        return self.token_ids_T[int(self.token_offsets[row]) : int(self.token_offsets[row + 1])].tolist()
+
+
+def save_routes(
+    path: str | Path,
+    token_ids: Sequence[Sequence[int]],
+    routes: Sequence,
+    *,
+    engine: str,
+    routers_sha256: str | None = None,
+    model: str | None = None,
+    data_sha256: str | None = None,
+) -> None:
+    """Write a route file (atomically): row i sent ``token_ids[i]`` and came back with ``routes[i]``, an integer
+    array ``[routes, layers, top_k]`` as the engine returns it (vLLM's ``routed_experts``; SGLang's decoded and
+    reshaped, ``rpb.replay.engines.routes_from_sglang``). Every row's layer axis and top-k must agree."""
+    arrays = [np.asarray(r) for r in routes]
+    problems = []
+    if len(arrays) != len(token_ids):
+        problems.append(f"{len(arrays)} rows of routes for {len(token_ids)} rows of token ids")
+    shapes = {a.shape[1:] for a in arrays if a.ndim == 3}
+    bad = [i for i, a in enumerate(arrays) if a.ndim != 3 or a.dtype.kind not in "iu"]
+    if bad:
+        problems.append(f"rows {bad[:5]}: routes that are not integer [routes, layers, top_k] arrays")
+    elif len(shapes) > 1:
+        problems.append(f"rows disagree on [layers, top_k]: {sorted(shapes)}")
+    top = max((int(a.max()) for a in arrays if a.size and not bad), default=0)
+    if top > torch.iinfo(torch.int16).max:
+        problems.append(f"expert id {top} does not fit the file's int16 ids")
+    if problems:
+        raise RouteFileError(f"{path}: cannot write the routes: " + "; ".join(problems))
+    width = next(iter(shapes)) if shapes else (0, 0)
+    routes_RXK = torch.from_numpy(
+        np.concatenate([a.astype(np.int16) for a in arrays]) if arrays else np.zeros((0, *width), np.int16)
+    )
+    tensors = {
+        "routes": routes_RXK,
+        "token_ids": torch.tensor([t for row in token_ids for t in row], dtype=torch.int64),
+        "route_offsets": torch.tensor(np.cumsum([0, *(len(a) for a in arrays)]), dtype=torch.int64),
+        "token_offsets": torch.tensor(np.cumsum([0, *(len(t) for t in token_ids)]), dtype=torch.int64),
+    }
+    meta = {
+        "schema": ROUTES_SCHEMA,
+        "schema_version": ROUTES_SCHEMA_VERSION,
+        "engine": engine,
+        "routers_sha256": routers_sha256,
+        "model": model,
+        "data_sha256": data_sha256,
+    }
+    atomic_save(tensors, {ROUTES_KEY: json.dumps(meta, sort_keys=True)}, path)
+
+
+def load_routes(path: str | Path) -> RouteFile:
+    """A route file, its layout checked (every problem named at once); no check against a model or data here."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+            names = set(f.keys())
+            tensors = {name: f.get_tensor(name) for name in TENSORS if name in names}
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise RouteFileError(f"{path}: not a readable safetensors file ({e})") from None
+    if ROUTES_KEY not in header:
+        raise RouteFileError(f"{path}: no {ROUTES_KEY!r} metadata; not an rpb route file")
+    try:
+        meta = json.loads(header[ROUTES_KEY])
+    except json.JSONDecodeError as e:
+        raise RouteFileError(f"{path}: metadata is not valid JSON ({e})") from None
+    problems = _layout_problems(meta, tensors)
+    if problems:
+        raise RouteFileError(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+    return RouteFile(tensors["routes"], tensors["token_ids"], tensors["route_offsets"], tensors["token_offsets"], meta)
+
+
+def _layout_problems(meta, tensors: dict[str, torch.Tensor]) -> list[str]:
+    problems = []
+    if not isinstance(meta, dict) or meta.get("schema") != ROUTES_SCHEMA:
+        return [f"metadata: schema is not {ROUTES_SCHEMA!r}"]
+    if meta.get("schema_version") != ROUTES_SCHEMA_VERSION:
+        problems.append(f"metadata: schema_version {meta.get('schema_version')!r}, expected {ROUTES_SCHEMA_VERSION}")
+    missing = [name for name in TENSORS if name not in tensors]
+    if missing:
+        return [*problems, f"missing tensor(s) {missing}"]
+    routes, ids = tensors["routes"], tensors["token_ids"]
+    if routes.dim() != 3 or routes.dtype != torch.int16:
+        problems.append(f"routes: {routes.dtype} {tuple(routes.shape)}, expected int16 [routes, layers, top_k]")
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        problems.append(f"token_ids: {ids.dtype} {tuple(ids.shape)}, expected int64 [tokens]")
+    for name, total in (("route_offsets", routes.shape[0]), ("token_offsets", ids.numel())):
+        off = tensors[name]
+        if off.dim() != 1 or off.dtype != torch.int64 or off.numel() < 1:
+            problems.append(f"{name}: {off.dtype} {tuple(off.shape)}, expected int64 [rows + 1]")
+        elif int(off[0]) != 0 or int(off[-1]) != total or bool((off[1:] < off[:-1]).any()):
+            problems.append(f"{name}: not a non-decreasing run from 0 to {total}")
+    if tensors["route_offsets"].numel() != tensors["token_offsets"].numel():
+        problems.append("route_offsets and token_offsets count different rows")
+    return problems
