@@ -5,21 +5,29 @@ first decoder layers are dense; and every refusal, each naming its row."""
 from __future__ import annotations
 
 import base64
+import json
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from rpb.adapters import find_moe_layers, get_adapter
+from rpb.artifact import METADATA_KEY, load_artifact, read_metadata
+from rpb.artifact_checks import file_problems
+from rpb.calibrate import calibrate
+from rpb.calibrate.report import render_markdown
 from rpb.cli import main
 from rpb.collect import collect
 from rpb.collect.from_routes import RoutesMismatchError, collect_from_routes
 from rpb.collect.hf_routes import write_routes
 from rpb.data import load_labelled
+from rpb.experts.run import run_experts
 from rpb.models import load_causal_lm, load_tokenizer
 from rpb.replay.routefile import load_routes, save_routes
 from rpb.testing import replica as build_replica
 from rpb.testing.data import conversations, write_jsonl
+from rpb.validate import validate_artifact
 from tests.test_routing import reference_route
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -179,11 +187,26 @@ def test_the_command_line(routed, tmp_path, capsys):
     args = ["collect", "--model", str(model_dir), "--data-jsonl", str(data), "--max-seq-len", str(MAX_LEN)]
     assert main([*args, "--out-path", str(out), "--from-routes", str(routes), "--no-progress"]) == 0
     assert "(frequency prior)" in capsys.readouterr().out
-    from rpb.artifact import load_artifact
-
     assert torch.equal(load_artifact(out).prior_qa, prior.prior_qa)
     assert main([*args, "--out-path", str(tmp_path / "x.safetensors"), "--from-routes", str(routes),
                  "--prior-kind", "probability"]) != 0  # fmt: skip
     assert "engines return no router probabilities" in capsys.readouterr().err
     assert main([*args, "--out-path", str(tmp_path / "y.safetensors")]) != 0
     assert "--top-k is required" in capsys.readouterr().err
+
+
+def test_every_reader_says_the_prior_kind(routed, tmp_path, caplog):
+    """validate, calibrate and experts read the kind and say it; a schema-4 prior of an unknown kind is refused."""
+    model_dir, data, _, _, tmp = routed
+    path = tmp / "prior.safetensors"
+    assert "prior kind frequency (an engine's selection frequency" in validate_artifact(path, data).format()
+    report = calibrate(str(model_dir), path, data, betas=[0.5], rows=3, progress=False)
+    assert report["prior_kind"] == "frequency" and "(frequency)" in render_markdown(report)
+    choice = run_experts(str(path), str(tmp_path / "experts.json"), top_n=2, progress=False)
+    assert choice.provenance["prior_kind"] == "frequency"
+    assert any("frequency prior" in r.getMessage() and "selection share" in r.getMessage() for r in caplog.records)
+    meta = read_metadata(path) | {"prior_kind": "counts"}
+    bad = tmp_path / "bad.safetensors"
+    save_file(load_file(path), str(bad), metadata={METADATA_KEY: json.dumps(meta), "format": "pt"})
+    problems = file_problems(bad, load_artifact(bad))
+    assert "metadata: field 'prior_kind' is 'counts', expected one of ['probability', 'frequency']" in problems

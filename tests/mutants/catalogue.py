@@ -11,6 +11,7 @@ from tests.mutants import (
     more_prior_values,
     more_replay,
     more_rl_grid,
+    more_routes,
     more_split,
 )
 from tests.mutants.harness import Mutant
@@ -828,4 +829,5 @@ MUTANTS: tuple[Mutant, ...] = (
     *more_split.MUTANTS,
     *more_replay.MUTANTS,
     *more_rl_grid.MUTANTS,
+    *more_routes.MUTANTS,
 )

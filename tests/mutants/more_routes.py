@@ -1,0 +1,68 @@
+"""Mutants of issue 52: priors from an engine's routes (rpb.collect.from_routes, hf_routes; the selection sums in
+rpb.prior); joined into ``tests.mutants.catalogue.MUTANTS``."""
+
+from __future__ import annotations
+
+from tests.mutants.harness import Mutant
+
+FROM_ROUTES = "tests/collect/test_from_routes.py"
+HF_ROUTES = "tests/collect/test_hf_routes.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        name="routes_prompt_counted_in_the_answer_span",
+        story="the reader labels the prompt's tokens as answer tokens: the answer span's prior is the whole row's",
+        path="collect/from_routes.py",
+        function="frequency_prior",
+        pattern=r"span_1N = torch\.tensor\(\[ex\.span_ids\]\)",
+        replacement="span_1N = torch.tensor([[1 if s == 0 else s for s in ex.span_ids]])",
+        tests=(f"{FROM_ROUTES}::test_a_prior_from_vllm_layout_routes_is_the_hand_frequency_prior",),
+    ),
+    Mutant(
+        name="frequency_topk_division_forgotten",
+        story="each chosen expert counts 1, not 1/k: a frequency prior's rows sum to k, and its bias is another one",
+        path="prior.py",
+        function="selection_sums",
+        pattern=r"chosen_BTE\.scatter_\(-1, ids_BTK\.long\(\), 1\.0 / top_k\)",
+        replacement="chosen_BTE.scatter_(-1, ids_BTK.long(), 1.0)",
+        tests=(f"{FROM_ROUTES}::test_a_prior_from_vllm_layout_routes_is_the_hand_frequency_prior",),
+    ),
+    Mutant(
+        name="routes_padding_positions_kept",
+        story="rpb routes keeps the routes of a batch's padding after a shorter row's last token: more routes than "
+        "the row has tokens, where vLLM returns one per token of a prefill-only request",
+        path="collect/hf_routes.py",
+        function="hf_routes",
+        pattern=r"n = len\(examples\[i\]\)\n(\s+)routes_NXK",
+        replacement=r"n = P\n\1routes_NXK",
+        tests=(f"{HF_ROUTES}::test_routes_are_the_routers_own_choices_laid_out_per_decoder_layer",),
+    ),
+    Mutant(
+        name="routes_count_not_checked",
+        story="a route file with a token's route missing (prefix caching left on) is read without a word naming it",
+        path="collect/from_routes.py",
+        function="row_routes",
+        pattern=r"if raw_SXK\.shape\[0\] != len\(example\):",
+        replacement="if False:",
+        tests=(f"{FROM_ROUTES}::test_refused_shifted_tokens_a_short_route_count_and_every_problem_at_once",),
+    ),
+    Mutant(
+        name="routes_fingerprint_not_checked",
+        story="routes another model returned make a prior tied to this one: its bias describes the other's routing",
+        path="collect/from_routes.py",
+        function="_file_problems",
+        pattern=r'if meta\.get\("routers_sha256"\) not in \(None, model\.checkpoint\.routers_sha256\):',
+        replacement="if False:",
+        tests=(f"{FROM_ROUTES}::test_refused_routes_of_another_model",),
+    ),
+    Mutant(
+        name="routes_moe_layers_at_the_first_columns",
+        story="rpb routes writes the MoE layers' routes into the first decoder-layer columns, not at their own "
+        "indices: a model with dense layers first gets its layers shifted",
+        path="collect/hf_routes.py",
+        function="hf_routes",
+        pattern=r"routes_NXK\[:, at\] = ",
+        replacement="routes_NXK[:, : len(at)] = ",
+        tests=(f"{HF_ROUTES}::test_routes_are_the_routers_own_choices_laid_out_per_decoder_layer",),
+    ),
+)
