@@ -16,7 +16,6 @@ from rpb.adapters import find_moe_layers, get_adapter
 from rpb.artifact import METADATA_KEY, load_artifact, read_metadata
 from rpb.artifact_checks import file_problems
 from rpb.calibrate import calibrate
-from rpb.calibrate.report import render_markdown
 from rpb.cli import main
 from rpb.collect import collect
 from rpb.collect.from_routes import RoutesMismatchError, collect_from_routes
@@ -200,8 +199,8 @@ def test_every_reader_says_the_prior_kind(routed, tmp_path, caplog):
     model_dir, data, _, _, tmp = routed
     path = tmp / "prior.safetensors"
     assert "prior kind frequency (an engine's selection frequency" in validate_artifact(path, data).format()
-    report = calibrate(str(model_dir), path, data, betas=[0.5], rows=3, progress=False)
-    assert report["prior_kind"] == "frequency" and "(frequency)" in render_markdown(report)
+    report = calibrate(str(model_dir), path, data, out=tmp_path / "cal", betas=[0.5], rows=3, progress=False)
+    assert report["prior_kind"] == "frequency" and "(frequency)" in (tmp_path / "cal" / "calibrate.md").read_text()
     choice = run_experts(str(path), str(tmp_path / "experts.json"), top_n=2, progress=False)
     assert choice.provenance["prior_kind"] == "frequency"
     assert any("frequency prior" in r.getMessage() and "selection share" in r.getMessage() for r in caplog.records)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.claims import verdict_table
-from rpb.toyworld.figures import Difference, write_figures
+from rpb.toyworld.figures import FOREST, Difference, write_figures
 from rpb.toyworld.frequency import (
     ASKED_MARGIN,
     FREQUENCY_BETAS,
@@ -122,6 +122,8 @@ def report_frequency(grid, studies: list, results: list[dict], out: Path) -> str
         f"`rpb` with the selection-frequency prior (what an engine's routes give) against the probability prior, "
         f"paired cell by cell; the probability cells are the `{PAIRED_GRID}` grid's own.",
         "",
+        f"![Frequency minus probability prior per beta and set, exact-match points, 95% intervals]({FOREST})",
+        "",
         bases_table(studies),
         machine_mix(results),
         "",
@@ -131,7 +133,7 @@ def report_frequency(grid, studies: list, results: list[dict], out: Path) -> str
         "",
         retention_table(results),
         *(mechanism_table(results, s, tuple(a.label for a in grid.arms)) for s in sets),
-        "### The claim, judged by rule (two one-sided tests, Holm across the rows)",
+        "### The claims, judged by rule (two one-sided tests, Holm across the rows)",
         "",
         margins_text(),
         "",
