@@ -208,6 +208,7 @@ def test_the_callers_config_and_process_group_are_left_as_they_were(setup, tmp_p
     assert cfg.anchor == before and cfg.anchor.router_transform is None
     record = json.loads((tmp_path / "rpb_run.json").read_text())
     assert record["router_transform"] == "softmax" and record["config"]["anchor"]["router_transform"] is None
+    assert record["prior_kind"] == "probability"  # the kind the prior says (rpb collect --from-routes: frequency)
 
 
 def test_the_run_measures_its_own_displacement_before_the_first_step(setup, tmp_path, caplog):
