@@ -29,8 +29,9 @@ EXCEPTIONS = (
     ("ARCHIVE", "## The demo before the shipped bases"),
 )
 GRIDS = ("headline", "beta", "full")
-#: the grids with a line in the README's verdict paragraph: the study's, and the reinforcement-learning grid
-VERDICT_GRIDS = (*GRIDS, "rl")
+#: the grids with a line in the README's verdict paragraph: the study's, the frequency-prior grid and the
+#: reinforcement-learning grid
+VERDICT_GRIDS = (*GRIDS, "beta-frequency", "rl")
 
 
 def sections(text: str, level: str) -> dict[str, str]:

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
 from rpb.toyworld.figures import CLAIMS, FOREST
 from rpb.toyworld.frequency import FREQUENCY_GRID
+from rpb.toyworld.prior_kinds import table
 from rpb.toyworld.shipping import report_shipped, shipped_results, shipped_studies
-from tests.project.test_prose_figures import flat, sections, table_rows
+from tests.project.test_prose_figures import flat, sections, table_rows, unicode_minus
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
@@ -73,3 +75,56 @@ def test_the_results_page_shows_the_figure_and_collect_md_quotes_every_verdict()
     for row in claims:
         said = f"{row['claim (frequency vs probability)']}: {row['verdict']} by rule, {row['Holm-adjusted']} after Holm"
         assert flat(said) in quoted, said
+
+
+def test_collect_md_shows_the_shipped_comparison_and_its_figures():
+    """docs/collect.md's frequency-vs-probability table is the shipped one, which is ``table`` of the shipped
+    figures; every range and mean its prose quotes is computed from them here."""
+    found = json.loads((SHIPPED / "prior_kinds.json").read_text())
+    assert [(c["base"], c["set"]) for c in found] == [(b, s) for b in FREQUENCY_GRID.bases for s in FREQUENCY_GRID.sets]
+    assert (SHIPPED / "prior_kinds.md").read_text() == table(found)
+    text = (ROOT / "docs" / "collect.md").read_text()
+    assert table(found) in text
+    prose = flat(text)
+
+    def values(key, *path):
+        return [v for c in found for v in _dig(c[key], path)]
+
+    def pct(v):
+        return f"{100 * v:.0f}%"
+
+    tvd = values("tvd")
+    assert f"TVD {min(tvd):.3f} to {max(tvd):.3f} per layer" in prose
+    p, f = values("clipped_share", "probability"), values("clipped_share", "frequency")
+    assert (
+        f"lifts {pct(min(f))} to {pct(max(f))} of its (row, expert) pairs against {pct(min(p))} to {pct(max(p))}"
+        in prose
+    )
+    for beta in ("0.25", "1"):
+        means = [
+            f"{100 * statistics.fmean(values('displacement', k, beta)):.1f}%" for k in ("probability", "frequency")
+        ]
+        assert all(m in prose for m in means), (beta, means)
+        differ = values("disagreement", beta)
+        assert f"{pct(min(differ))} to {pct(max(differ))} of content tokens at beta {beta}" in prose or (
+            f"{pct(min(differ))} to {pct(max(differ))} at beta {beta}" in prose
+        ), beta
+
+
+def _dig(value, path):
+    for key in path:
+        value = value[key]
+    return value
+
+
+def test_the_quoted_differences_are_the_reports():
+    """The paired differences the README and docs/collect.md quote, read off the report's scores table."""
+    rows = [line.split(" | ") for line in (SHIPPED / "tables.md").read_text().splitlines() if line.startswith("| ")]
+    scores = [r for r in rows if len(r) == 8]  # the scores table: beta, set, then ID and OOD triples
+    delta = {(r[0].strip("| "), r[1], m): unicode_minus(r[4 if m == "id" else 7].strip(" |"))
+             for r in scores for m in ("id", "ood")}  # fmt: skip
+    readme, collect_md = flat((ROOT / "README.md").read_text()), flat((ROOT / "docs" / "collect.md").read_text())
+    assert f"At beta 1 the frequency prior costs {delta[('1', 'both', 'id')]} points in domain" in readme
+    for key in (("0.25", "both", "id"), ("0.25", "both", "ood"), ("1", "both", "id"), ("1", "both", "ood"),
+                ("1", "math_post", "id"), ("1", "code_post", "id")):  # fmt: skip
+        assert delta[key] in collect_md, key
