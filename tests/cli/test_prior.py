@@ -11,9 +11,13 @@ def test_the_family_registers_the_prior_commands_and_only_them():
     parser = argparse.ArgumentParser(prog="rpb")
     sub = parser.add_subparsers(dest="command", required=True)
     prior.add_commands(sub.add_parser)
-    assert set(sub.choices) == {"collect", "validate", "calibrate", "render"}
+    assert set(sub.choices) == {"collect", "validate", "calibrate", "render", "routes"}
     args = parser.parse_args(["render", "--tokenizer", "t", "--in", "a.jsonl", "--out", "b.jsonl"])
     assert (args.input, args.out, args.trust_remote_code) == ("a.jsonl", "b.jsonl", False)
+    args = parser.parse_args(["collect", "--model", "m", "--data-jsonl", "d", "--out-path", "o", "--max-seq-len", "8",
+                              "--from-routes", "r.safetensors"])  # fmt: skip
+    assert (args.from_routes, args.top_k, args.prior_kind) == ("r.safetensors", None, None)
+    assert args.fused_shared_experts == 0
 
 
 def test_calibrate_default_betas_and_a_bad_list(capsys):
