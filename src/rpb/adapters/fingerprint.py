@@ -33,9 +33,11 @@ def fingerprint(tensors_by_layer: list[list[torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-def _router_tensors(layer: MoELayer, facts: RouterFacts) -> list[torch.Tensor]:
+def router_tensors(layer: MoELayer, facts: RouterFacts) -> dict[str, torch.Tensor]:
+    """What decides one layer's routing, by name: the router's weight, its bias (gpt-oss) and the
+    expert-correction bias, the router's or (MiniMax-M2) its MoE block's; the tensors themselves, not copies."""
     owners = {facts.expert_bias: layer.block} if facts.expert_bias_on_block else {}
-    return [getattr(owners.get(name) or layer.router, name) for name in _router_tensor_names(facts)]
+    return {name: getattr(owners.get(name) or layer.router, name) for name in _router_tensor_names(facts)}
 
 
 def _router_tensor_names(facts: RouterFacts) -> list[str]:
@@ -45,7 +47,7 @@ def _router_tensor_names(facts: RouterFacts) -> list[str]:
 
 def routers_sha256(layers: list[MoELayer], facts: RouterFacts) -> str:
     """The fingerprint of a loaded model's routers (``find_moe_layers`` order)."""
-    return fingerprint([_router_tensors(layer, facts) for layer in layers])
+    return fingerprint([list(router_tensors(layer, facts).values()) for layer in layers])
 
 
 @dataclass(frozen=True)
