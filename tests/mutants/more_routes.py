@@ -1,5 +1,6 @@
 """Mutants of issue 52: priors from an engine's routes (rpb.collect.from_routes, hf_routes; the selection sums in
-rpb.prior); joined into ``tests.mutants.catalogue.MUTANTS``."""
+rpb.prior), the frequency grid's claim and borrowed cells; and of issue 53's router revert (rpb.adapters.revert);
+joined into ``tests.mutants.catalogue.MUTANTS``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from tests.mutants.harness import Mutant
 
 FROM_ROUTES = "tests/collect/test_from_routes.py"
 HF_ROUTES = "tests/collect/test_hf_routes.py"
+FREQUENCY = "tests/toyworld/test_frequency.py"
+REVERT = "tests/adapters/test_revert.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -64,5 +67,35 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r"routes_NXK\[:, at\] = ",
         replacement="routes_NXK[:, : len(at)] = ",
         tests=(f"{HF_ROUTES}::test_routes_are_the_routers_own_choices_laid_out_per_decoder_layer",),
+    ),
+    Mutant(
+        name="frequency_judged_at_the_asked_margin",
+        story="every frequency claim is judged at ±1 whatever margin its name says: the measured margins are never "
+        "tested",
+        path="toyworld/frequency.py",
+        function="judge_frequency",
+        pattern=r"equivalent\(claim, d, margin, note\)",
+        replacement="equivalent(claim, d, ASKED_MARGIN, note)",
+        tests=(f"{FREQUENCY}::test_verdicts_on_hand_made_cells",),
+    ),
+    Mutant(
+        name="frequency_borrows_another_bases_cells",
+        story="the frequency grid copies the beta grid's cells without checking that they pin the same base "
+        "weights and recipe: its pairs may mix two bases",
+        path="toyworld/frequency_study.py",
+        function="FrequencyStudy.paired_cell",
+        pattern=r'if any\(theirs\.get\(k\) != ours\.get\(k\) for k in \("post_recipe", "base_sha256"\)\):',
+        replacement="if False:",
+        tests=("tests/toyworld/test_frequency_study.py::test_probability_cells_are_the_shipped_beta_grids_files",),
+    ),
+    Mutant(
+        name="revert_only_the_router_weight",
+        story="the revert copies each router's weight and leaves its expert-correction bias (and gpt-oss's router "
+        "bias) as the post-training left them: the routing does not go back",
+        path="adapters/revert.py",
+        function="put_routers",
+        pattern=r"for name, t in ours\.items\(\):",
+        replacement="for name, t in list(ours.items())[:1]:",
+        tests=(f"{REVERT}::test_a_model_that_differs_only_in_its_routers_gives_the_sources_logits[deepseek_v3]",),
     ),
 )

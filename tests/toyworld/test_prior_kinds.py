@@ -34,8 +34,8 @@ def test_disagreement_is_the_share_of_tokens_a_forced_expert_changes(replica, tm
     e = int(prior.prior_qa[:, :, 0].mean(dim=(0, 1)).argmax())  # the first MoE layer's most used expert
     forced[..., 0, e] += 30.0  # past every logit gap: forced into each top-k (the others keep their order)
     rows = [0, 1, 2]
-    assert disagreement(str(model_dir), data, 512, rows, bias, bias.clone(), 1.0) == [0.0] * bias.shape[2]
-    got = disagreement(str(model_dir), data, 512, rows, torch.zeros_like(bias), forced, 1.0)
+    assert disagreement(str(model_dir), data, 512, rows, bias, bias.clone(), (1.0,)) == {"1": [0.0] * bias.shape[2]}
+    got = disagreement(str(model_dir), data, 512, rows, torch.zeros_like(bias), forced, (1.0,))["1"]
     model, _ = load_base_model(str(model_dir))
     layer = find_moe_layers(model, get_adapter(model.config.model_type))[0]
     seen = {}

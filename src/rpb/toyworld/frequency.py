@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from rpb.toyworld.generators import POST_SETS
 from rpb.toyworld.grids import BASES, BETAS, SEEDS, STUDY_POST, Arm, Grid
-from rpb.toyworld.stats import Verdict, equivalent, holm, minimal_detectable_difference, paired_differences, points
+from rpb.toyworld.stats import Verdict, equivalent, holm, minimal_detectable_difference, paired_differences
 
 #: the betas the frequency prior is tried at
 FREQUENCY_BETAS = (0.25, 1.0)
@@ -127,15 +127,3 @@ def judge_frequency(results: list[dict]) -> list[Verdict]:
                 note = f"{sum(map(len, d.values()))} pairs; detectable difference {detectable(d):.1f}"
                 verdicts.append(equivalent(claim, d, margin, note))
     return holm(verdicts)
-
-
-def paired_points(results: list[dict], beta: float, metric: str) -> tuple[list[float], list[float]]:
-    """The probability and frequency cells' figures at ``beta`` (every set, base and seed where both ran)."""
-    by = {(r["arm"], r.get("base", 0), r["set"], r["seed"]): r for r in results}
-    prob, freq = [], []
-    for (arm, base, post_set, seed), r in sorted(by.items(), key=lambda kv: kv[0][1:]):
-        other = by.get((frequency_label(beta), base, post_set, seed))
-        if arm == probability_label(beta) and other is not None:
-            prob.append(points(r, metric))
-            freq.append(points(other, metric))
-    return prob, freq

@@ -42,16 +42,16 @@ def prior_tvd(prob_NSLE: torch.Tensor, freq_NSLE: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def disagreement(
-    model_dir: str, data, max_seq_len: int, rows: list[int], bias_a: torch.Tensor, bias_b: torch.Tensor, beta: float
-) -> list[float]:
-    """``share_L``: of the content tokens of ``rows``, the share whose top-k under ``beta * bias_a`` differs from
-    that under ``beta * bias_b`` (each ``[N, S, L, E]``, the token's own row and span), the family's own
-    selection (expert-correction bias and groups included)."""
+    model_dir: str, data, max_seq_len: int, rows: list[int], bias_a: torch.Tensor, bias_b: torch.Tensor, betas
+) -> dict[str, list[float]]:
+    """``{beta: share_L}``: of the content tokens of ``rows``, the share whose top-k under ``beta * bias_a``
+    differs from that under ``beta * bias_b`` (each ``[N, S, L, E]``, the token's own row and span), the family's
+    own selection (expert-correction bias and groups included); one forward of each row serves every beta."""
     model, facts = load_base_model(model_dir)
     layers = find_moe_layers(model, facts)
     template = ChatTemplate(load_tokenizer(model_dir))
     examples = label_rows(scan_rows(data, template, max_seq_len), template, max_seq_len, rows)
-    differ, total = torch.zeros(len(layers)), 0
+    differ, total = {b: torch.zeros(len(layers)) for b in betas}, 0
     logits: dict[int, torch.Tensor] = {}  # each MoE layer's router logits of the row just forwarded
     for ex in examples:
         with on_router_calls(layers, lambda call: logits.__setitem__(call.pos, call.read()[0].detach())):
@@ -63,12 +63,13 @@ def disagreement(
             spec, expert_bias = router_spec(layer.router, facts), expert_bias_of(layer, facts)
             z_TE = logits[pos][content].float()
             spans = span_T[content]
-            chosen = [
-                select(z_TE, spec, beta * b[ex.index, spans, pos], expert_bias).sort(dim=-1).values
-                for b in (bias_a, bias_b)
-            ]
-            differ[pos] += (chosen[0] != chosen[1]).any(dim=-1).sum()
-    return (differ / max(total, 1)).tolist()
+            for beta in betas:
+                chosen = [
+                    select(z_TE, spec, beta * b[ex.index, spans, pos], expert_bias).sort(dim=-1).values
+                    for b in (bias_a, bias_b)
+                ]
+                differ[beta][pos] += (chosen[0] != chosen[1]).any(dim=-1).sum()
+    return {f"{b:g}": (differ[b] / max(total, 1)).tolist() for b in betas}
 
 
 def compare(study, post_set: str, rows: int = ROWS, seed: int = 0) -> dict:
@@ -95,9 +96,7 @@ def compare(study, post_set: str, rows: int = ROWS, seed: int = 0) -> dict:
             kind: {f"{b:g}": c["displacement"]["layers"][f"{b:g}"]["both"] for b in BETAS}
             for kind, c in calibrated.items()
         },
-        "disagreement": {
-            f"{b:g}": disagreement(base, data, study.post.max_seq_len, sample, *biases.values(), b) for b in BETAS
-        },
+        "disagreement": disagreement(base, data, study.post.max_seq_len, sample, *biases.values(), BETAS),
     }
 
 
