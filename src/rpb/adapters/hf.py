@@ -76,6 +76,10 @@ class RouterFacts:
     top_k_config: str = "num_experts_per_tok"
     #: the router module's name within a decoder layer (PEFT's modules_to_save key)
     router_module: str = "mlp.gate"
+    #: the MoE block's gate on its shared expert (Qwen2-MoE, Qwen3.5-MoE: a one-output Linear whose sigmoid scales the
+    #: shared expert's output). It routes nothing, so no anchor or fingerprint reads it; ``put_routers`` copies it
+    #: only when asked (``rpb retention --revert-routers --shared-expert-gates``)
+    shared_gate: str | None = None
     #: the routed experts' fused weights (transformers v5), which LoRA targets by parameter. Every parameter of the
     #: module holding them is per expert (gpt-oss's ``[E, out]`` biases too): train.only_experts masks them all
     expert_parameters: tuple[str, ...] = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
@@ -128,7 +132,9 @@ for _facts in (
         ),
     ),
     RouterFacts("qwen3_moe", "Qwen3MoeTopKRouter", "softmax", weights_in_logits_dtype=True),
-    RouterFacts("qwen2_moe", "Qwen2MoeTopKRouter", "softmax", weights_in_logits_dtype=True),
+    RouterFacts(
+        "qwen2_moe", "Qwen2MoeTopKRouter", "softmax", weights_in_logits_dtype=True, shared_gate="shared_expert_gate"
+    ),
     RouterFacts("olmoe", "OlmoeTopKRouter", "softmax", weights_in_logits_dtype=True),
     RouterFacts("mixtral", "MixtralTopKRouter", "softmax", normalize=True),
     # MiniMax-M2: sigmoid, the expert-correction bias kept on the MoE block, always renormalised, no groups
@@ -174,6 +180,7 @@ register_adapter(
         "softmax",
         normalize=True,
         weights_in_logits_dtype=True,
+        shared_gate="shared_expert_gate",
         native_values=(NativeValue("norm_topk_prob", (True,), "always renormalises the top-k weights"),),
     )
 )

@@ -25,6 +25,9 @@ from rpb.toyworld.frequency import FrequencyGrid
 from rpb.toyworld.frequency_report import report_frequency
 from rpb.toyworld.frequency_study import FrequencyStudy
 from rpb.toyworld.grids import Grid
+from rpb.toyworld.revert import RevertGrid
+from rpb.toyworld.revert_report import report_revert
+from rpb.toyworld.revert_study import RevertStudy
 from rpb.toyworld.rl import RLGrid
 from rpb.toyworld.rl_report import report_rl
 from rpb.toyworld.rl_study import RLStudy
@@ -164,6 +167,8 @@ def report_across(grid, studies: list, results: list[dict], out: Path) -> str:
         return report_rl(grid, studies, results, out)
     if isinstance(grid, FrequencyGrid):
         return report_frequency(grid, studies, results, out)
+    if isinstance(grid, RevertGrid):
+        return report_revert(grid, studies, results, out)
     arms = tuple(a.label for a in grid.arms)
     parts = [
         f"# Toy-world study: grid `{grid.name}` on bases {list(grid.bases)}",
@@ -223,6 +228,8 @@ def study_kind(grid) -> type[Study]:
     the frequency grid (its probability cells taken from the shipped ``beta`` grid), else a ``Study``."""
     if isinstance(grid, RLGrid):
         return RLStudy
+    if isinstance(grid, RevertGrid):
+        return RevertStudy
     return FrequencyStudy if isinstance(grid, FrequencyGrid) else Study
 
 

@@ -25,9 +25,10 @@ def experiment_grids() -> dict:
     grid."""
     from rpb.toyworld.frequency import FREQUENCY_GRID
     from rpb.toyworld.grids import GRIDS
+    from rpb.toyworld.revert import REVERT_GRID
     from rpb.toyworld.rl import RL_GRID
 
-    return {**GRIDS, FREQUENCY_GRID.name: FREQUENCY_GRID, RL_GRID.name: RL_GRID}
+    return {**GRIDS, FREQUENCY_GRID.name: FREQUENCY_GRID, RL_GRID.name: RL_GRID, REVERT_GRID.name: REVERT_GRID}
 
 
 def _experiment(args) -> int:
@@ -76,12 +77,14 @@ def add_commands(add) -> None:
     x.add_argument(
         "--grid",
         default="small",
-        choices=["headline", "full", "small", "beta", "beta-frequency", "cot", "rl"],
+        choices=["headline", "full", "small", "beta", "beta-frequency", "cot", "rl", "revert"],
         help="headline: sft, lbl, rpb, rpb at the calibrated beta x 5 seeds x 2 sets x 3 bases; full: every method "
         "x 3 seeds x 2 sets x 3 bases; beta: rpb over beta, likewise; beta-frequency: rpb with the selection-frequency "
         "prior at betas 0.25 and 1, paired with the beta grid's cells; small: 4 methods x 1 seed on the math set; "
         "cot: sft, lbl, rpb and the four within-* controls x 3 seeds on the long-trace set, base 0, with "
-        "transition retention; rl: GRPO from each base's sft cell, 8 arms (replay, GSPO, anchors) x 3 seeds x 3 bases",
+        "transition retention; rl: GRPO from each base's sft cell, 8 arms (replay, GSPO, anchors) x 3 seeds x 3 bases; "
+        "revert: the full grid's sft, rpb, kl-to-base and the rl grid's grpo, R3 retrained x 3 seeds x 3 bases, each "
+        "run with the base's routers put back on the trained set and the four pretraining domains",
     )
     x.add_argument("--out", help="output directory (default: rpb-experiment-<grid>); rerun to resume")
     x.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")
