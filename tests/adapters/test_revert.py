@@ -11,7 +11,7 @@ import torch
 
 from rpb.adapters import find_moe_layers, get_adapter
 from rpb.adapters.fingerprint import router_tensors
-from rpb.adapters.revert import put_routers
+from rpb.adapters.revert import put_routers, routers_of
 from rpb.errors import ArgumentError
 from rpb.models import load_causal_lm
 from rpb.testing import replica as build_replica
@@ -78,3 +78,34 @@ def test_routers_of_other_shapes_are_refused_with_every_difference_and_nothing_c
     for m in layers:
         assert f"layer {m.layer_index}: weight of shape [{m.router.weight.shape[0]}, " in text
     assert all(torch.equal(m.router.weight, k) for m, k in zip(layers, kept, strict=True))
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_20b", "minimax_m2"])
+def test_routers_of_runs_with_the_sources_routers_and_restores_its_own_even_on_an_error(name, replica, tmp_path):
+    base = load_causal_lm(str(replica(name))).eval()
+    post = load_causal_lm(str(build_replica(name, tmp_path / "post", seed=1))).eval()
+    facts = get_adapter(base.config.model_type)
+    before = {k: v.clone() for k, v in post.state_dict().items()}
+    with pytest.raises(RuntimeError, match="inside"), routers_of(post, base, facts):
+        for b, p in zip(find_moe_layers(base, facts), find_moe_layers(post, facts), strict=True):
+            for tensor_name, t in router_tensors(p, facts).items():
+                assert torch.equal(t, router_tensors(b, facts)[tensor_name])
+        raise RuntimeError("inside")
+    assert all(torch.equal(post.state_dict()[k], v) for k, v in before.items())
+
+
+def test_the_shared_expert_gates_are_copied_under_their_own_names_when_asked(replica, tmp_path):
+    base = load_causal_lm(str(replica("qwen1_5_moe_a2_7b"))).eval()
+    post = load_causal_lm(str(build_replica("qwen1_5_moe_a2_7b", tmp_path / "post", seed=1))).eval()
+    facts = get_adapter(base.config.model_type)
+    assert facts.shared_gate == "shared_expert_gate"
+    plain = put_routers(copy.deepcopy(post), base, facts)
+    names = put_routers(post, base, facts, shared_gates=True)
+    gates = sorted(set(names) - set(plain))
+    layers = find_moe_layers(post, facts)
+    assert gates == sorted(f"{m.name.rpartition('.')[0]}.shared_expert_gate.weight" for m in layers)
+    theirs = base.state_dict()
+    assert all(torch.equal(post.state_dict()[g], theirs[g]) for g in gates)
+    assert (
+        get_adapter("qwen3_5_moe").shared_gate == "shared_expert_gate" and get_adapter("qwen3_moe").shared_gate is None
+    )

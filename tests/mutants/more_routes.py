@@ -10,6 +10,7 @@ FROM_ROUTES = "tests/collect/test_from_routes.py"
 HF_ROUTES = "tests/collect/test_hf_routes.py"
 FREQUENCY = "tests/toyworld/test_frequency.py"
 REVERT = "tests/adapters/test_revert.py"
+REVERT_NLL = "tests/retention/test_revert.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -97,5 +98,41 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r"for name, t in ours\.items\(\):",
         replacement="for name, t in list(ours.items())[:1]:",
         tests=(f"{REVERT}::test_a_model_that_differs_only_in_its_routers_gives_the_sources_logits[deepseek_v3]",),
+    ),
+    Mutant(
+        name="revert_router_bias_left_unreverted",
+        story="the revert copies the router's weight and expert bias but not gpt-oss's router bias, which sits inside "
+        "its logits: the 'reverted' model still routes with the post model's bias",
+        path="adapters/revert.py",
+        function="_tensors",
+        pattern=r"found = dict\(router_tensors\(layer, facts\)\)",
+        replacement="found = {k: v for k, v in router_tensors(layer, facts).items() if k != facts.router_bias}",
+        tests=(f"{REVERT}::test_the_base_routers_go_back_and_nothing_else_moves",),
+    ),
+    Mutant(
+        name="revert_expert_bias_into_the_wrong_layer",
+        story="the expert-correction bias is taken from the base's previous MoE layer (an off-by-one over the layer "
+        "list, which a buffer kept on the router or on MiniMax-M2's block invites): every layer selects with "
+        "another layer's bias",
+        path="adapters/revert.py",
+        function="put_routers",
+        pattern=r"theirs, ours = _tensors\(source, s, facts, shared_gates\), _tensors\(into, d, facts, shared_gates\)",
+        replacement="theirs, ours = {**_tensors(source, s, facts, shared_gates), **{k: v for k, v in _tensors(source, "
+        "src[dst.index(d) - 1], facts, shared_gates).items() if k == facts.expert_bias}}, "
+        "_tensors(into, d, facts, shared_gates)",
+        tests=(f"{REVERT}::test_the_base_routers_go_back_and_nothing_else_moves",),
+    ),
+    Mutant(
+        name="revert_nll_over_the_prompt_span",
+        story="the revert's NLL reads every token, the prompt's too: a change in how the model reads questions "
+        "passes for a change in how it answers",
+        path="retention/revert.py",
+        function="measure_domain",
+        pattern=r'labels_for\(e, "answer"\)',
+        replacement='labels_for(e, "all")',
+        tests=(
+            f"{REVERT_NLL}::test_each_rows_answer_nll_is_its_own_forward_read_by_hand",
+            f"{REVERT_NLL}::test_the_prompt_span_is_not_in_the_nll",
+        ),
     ),
 )

@@ -1,5 +1,5 @@
-"""The family matrix: the routing monitor, ``rpb audit`` and expert training on every real-config replica
-(``rpb.testing.REPLICAS``; a replica added to its registry runs here too, none skipped).
+"""The family matrix: the routing monitor, ``rpb audit``, expert training and the revert test on every real-config
+replica (``rpb.testing.REPLICAS``; a replica added to its registry runs here too, none skipped).
 
 Each check is read against something computed apart from the code under test: the monitor's figures against
 the router's own logits and selection and the family's hand-written rule (tests/test_routing.py); the audit
@@ -17,6 +17,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from rpb.adapters import find_moe_layers, get_adapter
+from rpb.adapters.fingerprint import router_tensors
 from rpb.artifact import load_artifact
 from rpb.collect import collect
 from rpb.collect.from_routes import collect_from_routes
@@ -28,6 +29,8 @@ from rpb.lora import LoraSection, apply_lora
 from rpb.models import load_causal_lm, load_tokenizer
 from rpb.monitor import MonitorConfig, RoutingMonitor, audit
 from rpb.monitor.run import run_audit
+from rpb.retention.revert import BASE, POST, REVERTED, Pair, measure_domain
+from rpb.retention.revert_run import load_pair, run_revert
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.replicas import REPLICAS, published, routing_part
 from tests.collect.test_from_routes import hand_frequency
@@ -290,3 +293,68 @@ def test_expert_training_moves_the_chosen_experts_alone(name, family, tmp_path):
             assert moved == expected, f"{name} {how} {flags.shared_experts=} {flags.non_expert_modules=}: {n} {moved=}"
             if id(p) in routers and how == "full":
                 assert moved == flags.non_expert_modules, f"{name}: router {n} moved={moved}"
+
+
+# ---- the revert test (rpb retention --revert-routers) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", REPLICAS)
+def test_the_revert_puts_the_base_routers_back_and_nothing_else(name, family, tmp_path):
+    """A post model trained a few steps in its routers and routed experts: inside the revert each router tensor is
+    the base's bit for bit and every other entry the post model's, the post model is itself after, and its
+    routing's overlap to the base rises (the first MoE layer's, whose input nothing trained moved, back to 1); a
+    post moved by hand in its routers alone gives the base's figures exactly.
+
+    Attention and embeddings stay frozen here on purpose: trained with them (AdamW, 3 steps at 1e-3 to 3e-2) the
+    random replicas' hidden states move so far that the base's routers bring no overlap back on most families.
+    That is a fact about these replicas, not a check of the revert: the toy world's grid measures real drift."""
+    model_dir, data, _, _ = family(name)
+    post = load_causal_lm(str(model_dir)).train()
+    facts = get_adapter(post.config.model_type)
+    routers = {t.data_ptr() for m in find_moe_layers(post, facts) for t in router_tensors(m, facts).values()}
+    trained = [p for n, p in post.named_parameters() if p.data_ptr() in routers or ROUTED.search(n)]
+    for p in post.parameters():
+        p.requires_grad_(any(p is q for q in trained))
+    batch = batch_of(model_dir, data)
+    optimizer = torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.0)
+    for _ in range(3):
+        optimizer.zero_grad()
+        post(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+             labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)).loss.backward()  # fmt: skip
+        optimizer.step()
+    post.save_pretrained(tmp_path / "post")
+    sets = {"train": data}
+    report = run_revert(str(model_dir), str(tmp_path / "post"), sets, tmp_path / "out", max_seq_len=MAX_LEN,
+                        progress=False)  # fmt: skip
+    variants = report["sets"]["train"]["variants"]
+    overlap = {v: f["topk_overlap"]["all"] for v, f in variants.items()}
+    assert overlap["post"] < 1.0 and overlap["post+base routers"] > overlap["post"], (name, overlap)
+    assert variants["post+base routers"]["topk_overlap_by_layer"][0] == 1.0, name
+
+    pair = load_pair(str(model_dir), str(tmp_path / "post"), "float32", "cpu", False)
+    before = {k: v.clone() for k, v in pair.post.state_dict().items()}
+    with pair.running(REVERTED) as (model, layers):
+        names = set()
+        for b, p in zip(pair.base_layers, layers, strict=True):
+            for tensor_name, t in router_tensors(p, facts).items():
+                assert torch.equal(t, router_tensors(b, facts)[tensor_name].to(t.dtype)), (name, p.name, tensor_name)
+                names.add(t.data_ptr())
+        now = model.state_dict()
+        others = [k for k, v in now.items() if v.data_ptr() not in names]
+        assert others and all(torch.equal(now[k], before[k]) for k in others), name
+        assert any(not torch.equal(now[k], before[k]) for k in now), f"{name}: the routers moved"
+    assert all(torch.equal(pair.post.state_dict()[k], v) for k, v in before.items()), f"{name}: restored"
+
+    moved = load_causal_lm(str(model_dir)).eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for m in find_moe_layers(moved, facts):
+            for t in router_tensors(m, facts).values():
+                t.add_(torch.randn(t.shape, generator=gen).to(t.dtype) * 0.5)
+    by_hand = Pair(pair.base, moved, pair.base_layers, find_moe_layers(moved, facts), facts)
+    examples = load_labelled(str(data), load_tokenizer(str(model_dir)), MAX_LEN).examples
+    figures = measure_domain(by_hand, examples, (POST, REVERTED, BASE), 3, 0)
+    assert figures[REVERTED].nll_rows == figures[BASE].nll_rows, name
+    assert (
+        figures[REVERTED].summary()["topk_overlap"]["all"] == 1.0 and figures[POST].nll_rows != figures[BASE].nll_rows
+    )

@@ -17,3 +17,29 @@ def rl_finished(tmp_path_factory):
         yield study, study.run()
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def revert_finished(tmp_path_factory):
+    """One miniature ``revert`` study (the ``sft`` and ``kl-to-base`` arms, one seed, checkpoints kept) run to the
+    end at one thread: (the study, its cells' results)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from rpb.toyworld.revert import REVERT_GRID
+    from rpb.toyworld.revert_study import RevertStudy
+    from tests.toyworld_mini import MINI_POST
+    from tests.toyworld_rl_mini import MINI_RL_RECIPE
+
+    post = replace(MINI_POST, score_parts=("validation", "test"))
+    arms = tuple(a for a in REVERT_GRID.arms if a.label in ("sft", "kl-to-base"))
+    grid = replace(REVERT_GRID, name="mini-revert", arms=arms, seeds=(42,), bases=(0,), post=post,
+                   recipe=MINI_RL_RECIPE)  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        root = tmp_path_factory.mktemp("revert")
+        study = RevertStudy(Path(root / "base0"), grid, post, Path(root / "cache"), False, keep_checkpoints=True)
+        yield study, study.run()
+    finally:
+        torch.set_num_threads(threads)

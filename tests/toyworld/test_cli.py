@@ -31,7 +31,7 @@ def test_every_grid_choice_is_a_grid():
     assert set(sub.choices) == {"demo", "experiment"}
     grid = next(a for a in sub.choices["experiment"]._actions if a.dest == "grid")
     assert set(grid.choices) <= set(cli.experiment_grids()) and grid.default in grid.choices
-    assert set(cli.experiment_grids()) == {*GRIDS, "beta-frequency", "rl"}
+    assert set(cli.experiment_grids()) == {*GRIDS, "beta-frequency", "rl", "revert"}
     assert "beta-frequency" in grid.choices and "rl" in grid.choices
 
 

@@ -2,11 +2,62 @@
 
 from __future__ import annotations
 
-from rpb.cli.options import model_options, template_kwargs_option
+from rpb.cli.options import model_options, positive_int, template_kwargs_option
+from rpb.errors import ArgumentError
+
+#: the options that belong to ``--revert-routers`` alone
+REVERT_ONLY = ("domain", "generate", "reverse", "shared_expert_gates", "max_new_tokens")
+
+
+def _revert(args) -> int:
+    from rpb.retention.revert_run import parse_domains, run_revert
+
+    if not args.post:
+        raise ArgumentError("--revert-routers needs --post (the model whose routers are put back)")
+    report = run_revert(
+        args.base,
+        args.post,
+        parse_domains(args.domain or []),
+        args.out,
+        data_jsonl=args.data_jsonl,
+        reverse=args.reverse,
+        generate=args.generate,
+        max_new_tokens=args.max_new_tokens,
+        shared_gates=args.shared_expert_gates,
+        max_rows=args.max_rows,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        max_seq_len=args.max_seq_len,
+        tokenizer=args.tokenizer,
+        adapter=args.adapter,
+        dtype=args.dtype,
+        device=args.device,
+        progress=not args.no_progress,
+        chat_template_kwargs=args.chat_template_kwargs,
+    )
+    for name, e in report["sets"].items():
+        if "delta_nll" not in e:
+            continue
+        d, post, back = e["delta_nll"], e["variants"]["post"], e["variants"]["post+base routers"]
+        trained = " (trained)" if name == report["training_domain"] else ""
+        print(
+            f"{name}{trained}: answer NLL post {post['nll']:.4f}, reverted {back['nll']:.4f} "
+            f"(Δ {d['estimate']:+.4f} [{d['ci'][0]:+.4f}, {d['ci'][1]:+.4f}]), "
+            f"base {e['variants']['base']['nll']:.4f}; "
+            f"top-k overlap to the base {post['topk_overlap']['all']:.3f} -> {back['topk_overlap']['all']:.3f}"
+        )
+    print(f"wrote {args.out}/report.json, report.md and revert.png")
+    return 0
 
 
 def _retention(args) -> int:
     from rpb.retention.run import run_retention
+
+    if args.revert_routers:
+        return _revert(args)
+    given = [f"--{k.replace('_', '-')}" for k in REVERT_ONLY if getattr(args, k) not in (None, False)]
+    if given:
+        raise ArgumentError(f"{', '.join(given)}: only with --revert-routers")
 
     report = run_retention(
         args.base,
@@ -64,6 +115,32 @@ def add_commands(add) -> None:
     )
     r.add_argument(
         "--steps-by", metavar="REGEX", help="also step-level transitions, answers cut where REGEX matches (e.g. '\\n')"
+    )
+    v = r.add_argument_group("the revert test (docs/retention.md): does the routing drift matter?")
+    v.add_argument(
+        "--revert-routers",
+        action="store_true",
+        help="run the post model with the base's routers put back (weight, router bias, expert-correction bias) "
+        "beside the post model and the base on each --domain: answer NLL, top-k overlap to the base; report.json, "
+        "report.md, revert.png (--data-jsonl: the routing data, whose overlap shows the routing went back)",
+    )
+    v.add_argument(
+        "--domain",
+        action="append",
+        metavar="NAME=PATH",
+        help="a JSONL set whose NLL is measured; repeat it; the first is the training domain",
+    )
+    v.add_argument("--generate", action="store_true", help="also exact match, by greedy decoding from each prompt")
+    v.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        help="greedy decoding's budget (default: the domain's longest answer and its turn end)",
+    )
+    v.add_argument("--reverse", action="store_true", help="also the base with the post model's routers")
+    v.add_argument(
+        "--shared-expert-gates",
+        action="store_true",
+        help="put the MoE blocks' shared-expert gates back too (Qwen2-MoE, Qwen3.5-MoE; default: left alone)",
     )
     r.add_argument("--no-progress", action="store_true")
     template_kwargs_option(r)

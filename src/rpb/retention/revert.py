@@ -139,8 +139,8 @@ def measure_domain(
         for start in range(0, len(examples), batch_size):
             chunk = examples[start : start + batch_size]
             b = collate(chunk, pad_id)
-            labels_BT = torch.tensor([labels_for(e, "answer") + [IGNORE_INDEX] * (b["input_ids"].shape[1] - len(e))
-                                      for e in chunk])  # fmt: skip
+            width = b["input_ids"].shape[1]
+            labels_BT = torch.tensor([labels_for(e, "answer") + [IGNORE_INDEX] * (width - len(e)) for e in chunk])
             valid_T, span_T = b["attention_mask"].reshape(-1).bool(), b["span_ids"].reshape(-1)
             base_ids = None
             for v in (BASE, *(n for n in names if n != BASE)):  # the base first: the others are compared to it

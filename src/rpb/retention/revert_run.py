@@ -66,12 +66,12 @@ def load_post(post: str, base: str, dtype: str):
     return PeftModel.from_pretrained(load_causal_lm(base, dtype), post).merge_and_unload()
 
 
-def load_pair(base: str, post: str, dtype: str, device: str, shared_gates: bool) -> Pair:
+def load_pair(base: str, post: str, dtype: str, device: str, shared_gates: bool, adapter: str | None = None) -> Pair:
     models = [load_causal_lm(base, dtype), load_post(post, base, dtype)]
     types = [m.config.get_text_config().model_type for m in models]
     if types[0] != types[1]:
         raise RoutingMismatchError(f"the base is a {types[0]!r} model, the post model a {types[1]!r} one")
-    facts = get_adapter(models[0].config.model_type)
+    facts = get_adapter(adapter or models[0].config.model_type)
     where = resolve_device(device)
     models = [m.to(where).eval() for m in models]
     layers = [find_moe_layers(m, facts) for m in models]
@@ -102,6 +102,7 @@ def run_revert(
     batch_size: int = 8,
     max_seq_len: int = 2048,
     tokenizer: str | None = None,
+    adapter: str | None = None,
     dtype: str = "float32",
     device: str = "auto",
     progress: bool = True,
@@ -119,7 +120,7 @@ def run_revert(
     if data_jsonl is not None:
         sets[ROUTING] = Path(data_jsonl)
     labelled = {n: load_labelled(p, tok, max_seq_len, chat_template_kwargs) for n, p in sets.items()}  # every bad row
-    pair = load_pair(base, post, dtype, device, shared_gates)
+    pair = load_pair(base, post, dtype, device, shared_gates, adapter)
     names, pad = variants(reverse), pad_id_of(tok)
     report = {
         "schema": SCHEMA,
