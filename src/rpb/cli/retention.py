@@ -9,6 +9,15 @@ from rpb.errors import ArgumentError
 REVERT_ONLY = ("domain", "generate", "reverse", "shared_expert_gates", "max_new_tokens")
 
 
+def _run_options(args) -> dict:
+    """What both modes take the same way: the rows, the model's loading and the template."""
+    names = ("max_rows", "seed", "batch_size", "max_seq_len", "tokenizer", "adapter", "dtype", "device")
+    return {k: getattr(args, k) for k in names} | {
+        "progress": not args.no_progress,
+        "chat_template_kwargs": args.chat_template_kwargs,
+    }
+
+
 def _revert(args) -> int:
     from rpb.retention.revert_run import parse_domains, run_revert
 
@@ -24,16 +33,7 @@ def _revert(args) -> int:
         generate=args.generate,
         max_new_tokens=args.max_new_tokens,
         shared_gates=args.shared_expert_gates,
-        max_rows=args.max_rows,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        max_seq_len=args.max_seq_len,
-        tokenizer=args.tokenizer,
-        adapter=args.adapter,
-        dtype=args.dtype,
-        device=args.device,
-        progress=not args.no_progress,
-        chat_template_kwargs=args.chat_template_kwargs,
+        **_run_options(args),
     )
     for name, e in report["sets"].items():
         if "delta_nll" not in e:
@@ -64,19 +64,10 @@ def _retention(args) -> int:
         args.data_jsonl,
         args.out,
         post=args.post,
-        max_rows=args.max_rows,
-        seed=args.seed,
         resolution=args.resolution,
-        batch_size=args.batch_size,
-        max_seq_len=args.max_seq_len,
-        tokenizer=args.tokenizer,
-        adapter=args.adapter,
-        dtype=args.dtype,
-        device=args.device,
-        progress=not args.no_progress,
         transitions=args.transitions,
         steps_by=args.steps_by,
-        chat_template_kwargs=args.chat_template_kwargs,
+        **_run_options(args),
     )
     m = report["mean"]
     if args.post:

@@ -143,7 +143,7 @@ def report_revert(grid, studies: list, results: list[dict], out: Path) -> str:
         scores_table(results, arms),
         delta_table(results, arms, grid.domains, "base"),
         delta_table(results, rl_arms, grid.domains, "start") if rl_arms else "",
-        "### The claim, judged by rule (fixed before the first cell: rpb/toyworld/revert.py)",
+        "### The claims, judged by rule (fixed before the first cell: rpb/toyworld/revert.py)",
         "",
         verdict_table(verdicts, "claim (fixed before the grid ran)"),
         machine_mix(results),

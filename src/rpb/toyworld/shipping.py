@@ -41,6 +41,7 @@ SHIPPED_FILES = (
     "selection/*/result.json",
     "runs/*/*/*/result.json",
     "start/record.json",  # the rl grid's sft start: its weights' sha256 and scores (rpb.toyworld.rl_study)
+    "rl/start/record.json",  # the revert grid's RL arms' start, the same record (rpb.toyworld.revert_study)
 )
 
 
