@@ -26,6 +26,7 @@ that post-training would have made with the base's routing held: docs/retention.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -190,20 +191,19 @@ def greedy_correct(
     parts = [prompt_and_answer(e) for e in examples]
     stops = sorted({s for _, _, s in parts if s is not None})
     device = next(model.parameters()).device
+    plain = copy.deepcopy(model.generation_config)
+    # MiniMax-M2's config asks for multi-token-prediction drafting, whose weights transformers' class does not load
+    # (generate then refuses): greedy decoding of the model itself gives the same tokens without it
+    plain.use_mtp = False
+    plain.max_new_tokens, plain.do_sample, plain.pad_token_id = max_new_tokens, False, pad_id
+    plain.eos_token_id = stops or None
     correct = []
     for start in range(0, len(parts), batch_size):
         chunk = parts[start : start + batch_size]
         width = max(len(p) for p, _, _ in chunk)
         ids_BT = torch.tensor([[pad_id] * (width - len(p)) + p for p, _, _ in chunk])
         mask_BT = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _, _ in chunk])
-        out = model.generate(
-            input_ids=ids_BT.to(device),
-            attention_mask=mask_BT.to(device),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=stops or None,
-            pad_token_id=pad_id,
-        )
+        out = model.generate(input_ids=ids_BT.to(device), attention_mask=mask_BT.to(device), generation_config=plain)
         for row, (_, answer, _) in zip(out[:, width:].tolist(), chunk, strict=True):
             cut = next((i for i, t in enumerate(row) if t in stops), len(row))
             got = tokenizer.decode(row[:cut], skip_special_tokens=True)
