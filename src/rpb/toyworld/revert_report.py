@@ -103,9 +103,10 @@ def delta_table(results: list[dict], arms: tuple[str, ...], domains: tuple[str, 
     return "\n".join(lines) + "\n"
 
 
-def revert_figure(results: list[dict], domains: tuple[str, ...], title: str):
-    """ΔNLL from reverting to the base's routers per domain (x) and arm (bars), with intervals."""
-    arms = _unique(r["arm"] for r in results)
+def revert_figure(results: list[dict], domains: tuple[str, ...], title: str, arms: tuple[str, ...] = ()):
+    """ΔNLL from reverting to the base's routers per domain (x) and arm (bars, in ``arms``' order, then any other
+    arm of the cells), with intervals."""
+    arms = _unique([*arms, *(r["arm"] for r in results)])
     with _style():
         fig = _figure(1.6 + 1.5 * len(domains), 3.6)
         ax = fig.subplots()
@@ -157,6 +158,6 @@ def report_revert(grid, studies: list, results: list[dict], out: Path) -> str:
     ordered = sorted(results, key=lambda c: (c.get("base", 0), c["set"], c["arm"], c["seed"]))
     write_json_atomic(out / "results.json", [{k: v for k, v in c.items() if k != "rl"} for c in ordered])
     write_json_atomic(out / "bases.json", {st.base_seed: st.base_facts() for st in studies})
-    save(revert_figure(results, grid.domains, f"Grid `{grid.name}`"), out / REVERT_FIGURE)
+    save(revert_figure(results, grid.domains, f"Grid `{grid.name}`", arms), out / REVERT_FIGURE)
     save(claims(verdicts, f"Grid `{grid.name}`"), out / CLAIMS)
     return tables
