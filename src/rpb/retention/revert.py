@@ -26,6 +26,7 @@ that post-training would have made with the base's routing held: docs/retention.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -58,38 +59,17 @@ class Pair:
     facts: object
     shared_gates: bool = False
 
+    @contextlib.contextmanager
     def running(self, variant: str):
-        """A context in which (model, its layers) runs as ``variant``."""
+        """(model, its MoE layers) running as ``variant`` inside the block; each model is its own again after."""
         if variant == REVERTED:
-            return _Swap(self.post, self.base, self, ("post", "base"), self.post_layers)
-        if variant == REVERSED:
-            return _Swap(self.base, self.post, self, ("base", "post"), self.base_layers)
-        model, layers = (self.post, self.post_layers) if variant == POST else (self.base, self.base_layers)
-        return _Plain(model, layers)
-
-
-class _Plain:
-    def __init__(self, model, layers):
-        self.pair = (model, layers)
-
-    def __enter__(self):
-        return self.pair
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _Swap:
-    def __init__(self, into, source, pair: Pair, names, layers):
-        self._cm = routers_of(into, source, pair.facts, names, pair.shared_gates)
-        self.pair = (into, layers)
-
-    def __enter__(self):
-        self._cm.__enter__()
-        return self.pair
-
-    def __exit__(self, *exc):
-        return self._cm.__exit__(*exc)
+            with routers_of(self.post, self.base, self.facts, ("post", "base"), self.shared_gates):
+                yield self.post, self.post_layers
+        elif variant == REVERSED:
+            with routers_of(self.base, self.post, self.facts, ("base", "post"), self.shared_gates):
+                yield self.base, self.base_layers
+        else:
+            yield (self.post, self.post_layers) if variant == POST else (self.base, self.base_layers)
 
 
 @dataclass
