@@ -29,9 +29,9 @@ EXCEPTIONS = (
     ("ARCHIVE", "## The demo before the shipped bases"),
 )
 GRIDS = ("headline", "beta", "full")
-#: the grids with a line in the README's verdict paragraph: the study's, the frequency-prior grid and the
-#: reinforcement-learning grid
-VERDICT_GRIDS = (*GRIDS, "beta-frequency", "rl")
+#: the grids with a line in the README's verdict paragraph: the study's, the frequency-prior grid, the
+#: reinforcement-learning grid and the revert grid
+VERDICT_GRIDS = (*GRIDS, "beta-frequency", "rl", "revert")
 
 
 def sections(text: str, level: str) -> dict[str, str]:

@@ -96,3 +96,39 @@ def test_retention_md_quotes_every_verdict_and_the_site_shows_the_report():
             f"{row['claim (fixed before the grid ran)']}: {row['verdict']} by rule, {row['Holm-adjusted']} after Holm"
         )
         assert flat(said) in quoted, said
+
+
+def _rows(tables: str, title: str) -> dict[tuple[str, str], dict[str, str]]:
+    body = sections(tables, "###")
+    return {(r["arm"], r["domain"]): r for r in table_rows(body[next(t for t in body if t.startswith(title))])}
+
+
+def test_the_prose_figures_are_the_reports():
+    """Every figure docs/retention.md and the README quote about the grid, read from its report."""
+    tables = (SHIPPED / "tables.md").read_text()
+    page, readme = flat((ROOT / "docs" / "retention.md").read_text()), flat((ROOT / "README.md").read_text())
+    base = _rows(tables, "Reverted to the base's routers")
+    start = _rows(tables, "Reverted to the start's routers")
+    sft = base[("sft", "math_post (trained)")]
+    quoted = [sft["ΔNLL"], base[("rpb", "math_post (trained)")]["ΔNLL"], base[("grpo", "math_post (trained)")]["ΔNLL"],
+              base[("sft", "text")]["ΔNLL"], sft["overlap to the base"], sft["exact match"]]  # fmt: skip
+    page = page.replace("−", "-")  # the page writes minus signs, the report hyphens
+    for figure in quoted:
+        assert figure in page, figure
+    assert sft["ΔNLL"] in readme
+    before, after = (float(x) for x in sft["overlap to the base"].split(" → "))
+    assert f"{after - before:.2f}" == "0.03" and "brings back 0.03 of the top-k overlap" in readme
+    assert "brings 0.03 of it back" in page
+    claims = {r["claim (fixed before the grid ran)"]: r for r in table_rows(sections(tables, "###")[next(
+        t for t in sections(tables, "###") if t.startswith("The claims"))])}  # fmt: skip
+    untargeted = next(r for c, r in claims.items() if "untargeted" in c)
+    assert f"{untargeted['estimate']} {untargeted['95% CI']}" in page
+    biggest = max(abs(float(r["ΔNLL"].split()[0])) for r in start.values())
+    assert biggest < 0.01 and "no domain by more than 0.01 nats" in page
+    post = [float(r["overlap to the start"].split(" → ")[0]) for r in start.values()]
+    assert f"{sum(post) / len(post):.2f}" == "0.93" and "overlap to the start 0.93" in page
+    plain = sections(tables.replace("\\|", ""), "###")  # a column's title escapes its bars: |Δ|
+    scores = table_rows(plain[next(t for t in plain if t.startswith("Exact match"))])
+    same = sum(int(r["cells bit-identical in score"].split(" of ")[0]) for r in scores)
+    gaps = [float(x) for r in scores for x in r["largest Δ to the shipped cell, ID / OOD"].split(" / ")]
+    assert f"{same} of {len(_cells())} bit-identical in score" in page and f"within {max(gaps):.1f} points" in page
