@@ -4,7 +4,9 @@ and claims.svg (the claim of ``rpb.toyworld.revert``, judged)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +45,16 @@ def _mean(results: list[dict], arm: str, reference: str, domain: str, key: str) 
 
 
 def estimate(d: dict[int, list[float]]) -> tuple[float, float, float]:
-    """The mean and the two-stage bootstrap interval."""
+    """The mean and the two-stage bootstrap interval (NaN where there is no cell); the same cells' bootstrap is
+    drawn once for the tables and the figure."""
+    return _estimate(tuple((b, tuple(v)) for b, v in sorted(d.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _estimate(frozen: tuple[tuple[int, tuple[float, ...]], ...]) -> tuple[float, float, float]:
+    if not frozen:
+        return math.nan, math.nan, math.nan
+    d = {b: list(v) for b, v in frozen}
     lo, hi = interval(two_stage_bootstrap(d))
     return float(np.mean([v for vs in d.values() for v in vs])), lo, hi
 
