@@ -131,8 +131,10 @@ def run_revert(
         "variants": list(names),
         "shared_gates": shared_gates,
         "generate": generate,
+        "max_rows": max_rows,
         "seed": seed,
         "resamples": resamples,
+        **next(iter(labelled.values())).template_settings,
         "sets": {},
     }
     total = sum(len(select_rows(d.num_rows, max_rows, seed)) for d in labelled.values()) * len(names)
