@@ -11,6 +11,8 @@ HF_ROUTES = "tests/collect/test_hf_routes.py"
 FREQUENCY = "tests/toyworld/test_frequency.py"
 REVERT = "tests/adapters/test_revert.py"
 REVERT_NLL = "tests/retention/test_revert.py"
+REVERT_GRID = "tests/toyworld/test_revert.py"
+REVERT_STUDY = "tests/toyworld/test_revert_study.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -134,5 +136,25 @@ MUTANTS: tuple[Mutant, ...] = (
             f"{REVERT_NLL}::test_each_rows_answer_nll_is_its_own_forward_read_by_hand",
             f"{REVERT_NLL}::test_the_prompt_span_is_not_in_the_nll",
         ),
+    ),
+    Mutant(
+        name="revert_claim_judged_the_wrong_way",
+        story="the trained domain's part of the revert claim is judged as a fall in NLL, not a rise: a reproduced "
+        "claim reads as contradicted",
+        path="toyworld/revert.py",
+        function="judge_revert",
+        pattern=r"\(TRAINED,\), 1\)",
+        replacement="(TRAINED,), -1)",
+        tests=(f"{REVERT_GRID}::test_the_claim_is_judged_on_the_cells_changes",),
+    ),
+    Mutant(
+        name="revert_rl_arm_not_reverted_to_its_start",
+        story="an RL cell is reverted to the base's routers only: the issue's second reference, the sft start's "
+        "routers, is silently missing from the grid",
+        path="toyworld/revert_study.py",
+        function="RevertStudy.measure",
+        pattern=r'if "start_sha256" in result else \{\}',
+        replacement="if False else {}",
+        tests=(f"{REVERT_STUDY}::test_an_rl_arm_trains_through_the_rl_study_and_is_reverted_to_its_start",),
     ),
 )

@@ -72,14 +72,27 @@ REVERT_GRID = RevertGrid(
 )
 
 
+def per_base(results: list[dict], arm: str, reference: str, domain: str, key: str = "delta_nll") -> dict:
+    """{base: values of ``key`` for ``domain`` over the arm's cells} (a variant's figure as ``variant/figure``)."""
+    out: dict[int, list[float]] = {}
+    for r in sorted((r for r in results if r["arm"] == arm), key=lambda r: (r["base"], r["seed"])):
+        entry = r["revert"].get(reference, {}).get(domain)
+        if entry is None:
+            continue
+        if "/" in key:
+            variant, figure = key.split("/")
+            value = entry["variants"][variant][figure]
+        else:
+            value = entry[key]
+        out.setdefault(r["base"], []).append(value)
+    return out
+
+
 def changes(results: list[dict], arm: str, domains: tuple[str, ...], reference: str = "base") -> dict[int, list]:
     """{base: per-cell change in answer NLL from reverting ``arm``'s routers to ``reference``'s, averaged over
     ``domains``}, cells in seed order."""
-    out: dict[int, list[float]] = {}
-    for r in sorted((r for r in results if r["arm"] == arm), key=lambda r: (r["base"], r["seed"])):
-        sets = r["revert"][reference]
-        out.setdefault(r["base"], []).append(sum(sets[d]["delta_nll"] for d in domains) / len(domains))
-    return out
+    each = [per_base(results, arm, reference, d) for d in domains]
+    return {b: [sum(cell) / len(domains) for cell in zip(*(e[b] for e in each), strict=True)] for b in each[0]}
 
 
 def judge_revert(results: list[dict]) -> list[Verdict]:

@@ -15,29 +15,13 @@ from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.claims import verdict_table
 from rpb.toyworld.figures import CLAIMS, _figure, _style, _unique, claims, save
 from rpb.toyworld.frequency_study import SHIPPED_RESULTS
-from rpb.toyworld.revert import judge_revert
+from rpb.toyworld.revert import judge_revert, per_base
 from rpb.toyworld.stats import interval, two_stage_bootstrap
 from rpb.toyworld.tables import bases_table, machine_mix, mean_sd
 
 REVERT_FIGURE = "revert.svg"
 #: the shipped grid each arm's cells come from (their scores are the retrained cells' reference)
 SOURCE_GRID = {"sft": "full", "rpb": "full", "kl-to-base": "full", "grpo": "rl", "grpo + R3": "rl"}
-
-
-def per_base(results: list[dict], arm: str, reference: str, domain: str, key: str = "delta_nll") -> dict:
-    """{base: values of ``key`` for ``domain`` over the arm's cells} (a variant's figure as ``variant/figure``)."""
-    out: dict[int, list[float]] = {}
-    for r in sorted((r for r in results if r["arm"] == arm), key=lambda r: (r["base"], r["seed"])):
-        entry = r["revert"].get(reference, {}).get(domain)
-        if entry is None:
-            continue
-        if "/" in key:
-            variant, figure = key.split("/")
-            value = entry["variants"][variant][figure]
-        else:
-            value = entry[key]
-        out.setdefault(r["base"], []).append(value)
-    return out
 
 
 def _mean(results: list[dict], arm: str, reference: str, domain: str, key: str) -> float:
