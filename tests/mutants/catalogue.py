@@ -11,6 +11,7 @@ from tests.mutants import (
     more_prior_values,
     more_replay,
     more_rl_grid,
+    more_rl_paths,
     more_routes,
     more_split,
 )
@@ -830,4 +831,5 @@ MUTANTS: tuple[Mutant, ...] = (
     *more_replay.MUTANTS,
     *more_rl_grid.MUTANTS,
     *more_routes.MUTANTS,
+    *more_rl_paths.MUTANTS,
 )

@@ -34,10 +34,10 @@ MUTANTS: tuple[Mutant, ...] = (
         name="recorded_positions_shifted_by_the_left_padding",
         story="the rollout's tokens are taken as right-padded in generation's left-padded layout: every "
         "shorter prompt's routes land on other positions",
-        path="integrations/trl/rollouts.py",
-        function="RolloutRoutes._generate_single_turn",
-        pattern=r"keep_BS\[b, P - len\(p\) : P \+ len\(c\)\] = True",
-        replacement="keep_BS[b, : len(p) + len(c)] = True",
+        path="integrations/trl/generation.py",
+        function="GenerationState.add_turn",
+        pattern=r"start = P - len\(p\)",
+        replacement="start = 0",
         tests=(
             "tests/integrations/trl/test_rollouts.py::test_each_rollouts_routes_travel_with_it_through_trls_shuffle",
         ),
@@ -48,7 +48,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the batch, or kept beside it while TRL shuffles the batch, end up): each row replays another rollout's "
         "experts",
         path="integrations/trl/grpo.py",
-        function="GRPOTrainer._generate_and_score_completions",
+        function="GRPOTrainer._attach",
         pattern=r"output\[\"rpb_rollout_routes\"\] = routes\.to\(",
         replacement='output["rpb_rollout_routes"] = routes.roll(1, dims=0).to(',
         tests=(
@@ -63,7 +63,7 @@ MUTANTS: tuple[Mutant, ...] = (
         function="GenerationRecorder._on_outputs",
         pattern=r"\.float\(\) / self\.temperature",
         replacement=".float()",
-        tests=("tests/replay/test_record.py::test_logps_are_the_raw_logits_over_the_temperature[qwen3_moe-sampled]",),
+        tests=("tests/replay/test_record.py::test_logps_are_the_raw_logits_over_the_temperature[qwen3_moe-sampled-cache]",),
     ),
     Mutant(
         name="trl_aux_coefficient_left_at_the_model_configs",
@@ -111,7 +111,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "generation cycle: the batch has no first routing to replay from its start",
         path="integrations/trl/grpo.py",
         function="GRPOTrainer._generate_and_score_completions",
-        pattern=r"if self\.replay_mode == \"R2\" and self\._first_routes is None",
+        pattern=r"if self\.replay_mode == \"R2\" and state\.first_routes is None",
         replacement="if False",
         tests=(f"{GRPO}::test_r2_forces_the_old_log_prob_forward_where_trl_would_skip_it",),
     ),
@@ -120,9 +120,9 @@ MUTANTS: tuple[Mutant, ...] = (
         story="a rollout's completion tokens are labelled as the question's span: RPB pulls the answer's routing "
         "toward the prompt's, which the Q / A split of the prior exists to avoid",
         path="integrations/trl/rl_prior.py",
-        function="batch_labels",
-        pattern=r"span_BS\[b, P : P \+ completion\] = A_SPAN",
-        replacement="span_BS[b, P : P + completion] = 0",
+        function="rollout_labels",
+        pattern=r"completion = \[A_SPAN if keep",
+        replacement="completion = [0 if keep",
         tests=(f"{RL_PRIOR}::test_the_training_forward_reads_each_tokens_row_and_span",),
     ),
     Mutant(
@@ -131,8 +131,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the importance ratio compares a biased forward with an unbiased one",
         path="integrations/trl/grpo.py",
         function="GRPOTrainer._first_forward",
-        pattern=r"biased = self\._prior_step\(",
-        replacement="_ = self._prior_step(",
+        pattern=r"biased = self\._prior_rows\(",
+        replacement="_ = self._prior_rows(",
         tests=(f"{RL_PRIOR}::test_r2_replays_the_biased_first_forward",),
     ),
     Mutant(

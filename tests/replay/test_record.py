@@ -1,6 +1,7 @@
 """GenerationRecorder against the model's own full forward: three left-padded prompts of different lengths, five
-tokens generated (greedy, sampled, sampled under a top-k warper), then one forward over the generated sequences
-with their attention mask. Its routers' top-k is read where the experts receive it (a pre-hook on each
+tokens generated (greedy, sampled, sampled under a top-k warper; with a KV cache, without one, and with the
+prompt prefilled in chunks of two), then one forward over the generated sequences with their attention mask.
+Its routers' top-k is read where the experts receive it (a pre-hook on each
 ``mlp.experts``), its log-probabilities from its logits; neither goes through the recorder."""
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ MODES = {
     "sampled": (0.7, {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}),
     "sampled-top5": (0.7, {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 1.0}),
 }
+#: generation paths -> generate's keywords: each forward's positions are placed by its offset, never by counting
+PATHS = {"cache": {}, "no-cache": {"use_cache": False}, "chunked-prefill": {"prefill_chunk_size": 2}}
 
 
 def layers_of(model):
@@ -46,12 +49,12 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def generated():
-    """generated(arch, mode) -> (model, prompt_mask_BP, sequences_BN, routes_BSLK, logps_BC, full forward's
+    """generated(arch, mode, path) -> (model, prompt_mask_BP, sequences_BN, routes_BSLK, logps_BC, full forward's
     (logits_BNV, experts' top-k per layer [B, N, K]))."""
     cache = {}
 
-    def make(arch, mode):
-        if (arch, mode) not in cache:
+    def make(arch, mode, path="cache"):
+        if (arch, mode, path) not in cache:
             model = build_tiny_model(arch, VOCAB, seed=0)
             layers = layers_of(model)
             temperature, sampling = MODES[mode]
@@ -65,16 +68,18 @@ def generated():
                     min_new_tokens=NEW,
                     pad_token_id=0,
                     **sampling,
+                    **PATHS[path],
                 )
-            cache[arch, mode] = (
+            assert rec.problem is None
+            cache[arch, mode, path] = (
                 model,
                 mask_BP,
                 seqs_BN,
                 rec.routes_BSLK,
-                rec.logps(seqs_BN),
+                rec.logps(seqs_BN, prompt_len=mask_BP.shape[1]),
                 full_forward(model, mask_BP, seqs_BN),
             )
-        return cache[arch, mode]
+        return cache[arch, mode, path]
 
     return make
 
@@ -98,10 +103,11 @@ def full_forward(model, mask_BP, seqs_BN):
     return logits_BNV, [seen[pos].reshape(B, N, -1) for pos in range(len(experts))]
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_routes_are_the_full_forwards_at_every_real_position(arch, mode, generated):
-    model, mask_BP, seqs_BN, routes_BSLK, _, (_, experts_ids) = generated(arch, mode)
+def test_routes_are_the_full_forwards_at_every_real_position(arch, mode, path, generated):
+    model, mask_BP, seqs_BN, routes_BSLK, _, (_, experts_ids) = generated(arch, mode, path)
     B, N = seqs_BN.shape
     P = mask_BP.shape[1]
     assert N == P + NEW
@@ -121,10 +127,11 @@ def test_routes_are_the_full_forwards_at_every_real_position(arch, mode, generat
     assert moved_BS[real_BS[:, 1:] & real_BS[:, :-1]].any()
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logps_are_the_raw_logits_over_the_temperature(arch, mode, generated):
-    _, mask_BP, seqs_BN, _, logps_BC, (logits_BNV, _) = generated(arch, mode)
+def test_logps_are_the_raw_logits_over_the_temperature(arch, mode, path, generated):
+    _, mask_BP, seqs_BN, _, logps_BC, (logits_BNV, _) = generated(arch, mode, path)
     temperature, sampling = MODES[mode]
     P = mask_BP.shape[1]
     # token t's log-probability is read at position t - 1
@@ -182,3 +189,46 @@ def test_the_hooks_are_gone_after_the_block():
     # a forward after the block records nothing
     model(input_ids=ids_BP, attention_mask=mask_BP)
     assert torch.equal(rec.routes_BSLK, routes_BSLK)
+
+
+def test_a_forward_that_starts_past_the_recording_is_not_placed():
+    """A cache filled outside the recorder: the forward's positions are not the first ones, so its routes would
+    land on the prompt's; the recorder says so and refuses to hand them out."""
+    model = build_tiny_model("qwen3_moe", VOCAB, seed=0)
+    ids_BP, mask_BP = prompts()
+    with torch.no_grad():
+        cache = model(input_ids=ids_BP, attention_mask=mask_BP, use_cache=True).past_key_values
+        step_B1 = torch.ones((ids_BP.shape[0], 1), dtype=torch.long)
+        with GenerationRecorder(model, layers_of(model)) as rec:
+            model(input_ids=step_B1, attention_mask=torch.cat([mask_BP, step_B1], 1), cache=cache)
+    assert rec.problem is not None and "positions 0..5 were forwarded outside the recorder" in rec.problem
+    with pytest.raises(ArgumentError, match="cannot be placed: a forward starting at position 6"):
+        _ = rec.routes_BSLK
+
+
+def test_positions_forwarded_again_with_other_tokens_are_not_placed():
+    """Speculative decoding forwards draft tokens, then forwards their positions again with others: which of two
+    forwards' routes belongs to the token kept is unknowable from the positions, so none is handed out."""
+    model = build_tiny_model("qwen3_moe", VOCAB, seed=0)
+    ids_BP, mask_BP = prompts()
+    with torch.no_grad(), GenerationRecorder(model, layers_of(model)) as rec:
+        model(input_ids=ids_BP, attention_mask=mask_BP, use_cache=False)
+        model(input_ids=ids_BP, attention_mask=mask_BP, use_cache=False)  # the same tokens again: kept, placed
+        assert rec.problem is None
+        other = ids_BP.clone()
+        other[:, -1] = (other[:, -1] + 1) % VOCAB
+        model(input_ids=other, attention_mask=mask_BP, use_cache=False)
+    assert rec.problem is not None and "forwarded again with other tokens" in rec.problem
+    with pytest.raises(ArgumentError, match="cannot be placed"):
+        _ = rec.routes_BSLK
+
+
+def test_routes_alone_take_no_log_softmax():
+    """``logps=False`` (``rpb routes``: a model without a language-model head) reads no output at all."""
+    model = build_tiny_model("qwen3_moe", VOCAB, seed=0)
+    ids_BP, mask_BP = prompts()
+    with torch.no_grad(), GenerationRecorder(model.model, layers_of(model), logps=False) as rec:
+        model.model(input_ids=ids_BP, attention_mask=mask_BP, use_cache=False)
+    assert rec.routes_BSLK.shape[:2] == ids_BP.shape
+    with pytest.raises(ArgumentError, match="nothing was recorded"):
+        rec.logps(ids_BP)

@@ -79,6 +79,8 @@ class AnchorHandle:
     #: callables ``tap(pos, hidden, logits_TE, native_ids_TK)`` the hook hands each training-mode router call
     #: (recomputations aside): observers such as ``rpb.monitor`` read the routers through the anchor's taps
     taps: list = field(default_factory=list)
+    #: inside ``unobserved()``: forwards the taps and the statistics leave out
+    _unobserved: bool = False
 
     # ---- step context --------------------------------------------------------------
     @contextlib.contextmanager
@@ -110,6 +112,16 @@ class AnchorHandle:
             yield self
         finally:
             self._in_eval = False
+
+    @contextlib.contextmanager
+    def unobserved(self):
+        """Forwards inside the block are anchored as training's are, but no tap (``rpb.monitor``) and no statistic
+        counts them: a forward that scores rollouts (GRPO's old log-probabilities) is no training forward."""
+        was, self._unobserved = self._unobserved, True
+        try:
+            yield self
+        finally:
+            self._unobserved = was
 
     def loss(self) -> torch.Tensor:
         """The anchor's loss term for the last forward (coefficient applied; 0 for none)."""
@@ -154,7 +166,7 @@ class AnchorHandle:
         # a forward recomputed during backward (checkpointing) routes alike but records nothing twice
         first_call = ("recorded", pos) not in ctx.cache
         ctx.cache[("recorded", pos)] = True
-        if first_call:
+        if first_call and not self._unobserved:
             for tap in self.taps:
                 tap(pos, hidden, logits_TE, native_ids_TK)
         valid_T = ctx.valid_T.to(logits_TE.device)
@@ -169,7 +181,7 @@ class AnchorHandle:
         gates_TK, ids_TK = native_gates_TK, native_ids_TK
         if self.prior is not None:
             gates_TK, ids_TK = self._prior_selection(pos, logits_TE, ctx, native_gates_TK, native_ids_TK)
-        if first_call and self.record_stats:
+        if first_call and self.record_stats and not self._unobserved:
             self._record(pos, ids_TK, native_ids_TK, valid_T, ctx.content_T.to(valid_T.device), term, hidden)
         if self.prior is None:
             return None

@@ -57,7 +57,7 @@ def hf_routes(model, examples: list[Example], pad_id: int, batch_size: int = 8, 
             n = len(examples[i])
             ids_BP[b, :n] = torch.tensor(examples[i].input_ids)
             mask_BP[b, :n] = 1
-        with GenerationRecorder(model, layers, facts=facts) as rec:
+        with GenerationRecorder(model, layers, facts=facts, logps=False) as rec:
             model(input_ids=ids_BP.to(device), attention_mask=mask_BP.to(device), use_cache=False)
         routes_BPLK = rec.routes_BSLK  # the prefill's P positions
         for b, i in enumerate(positions):

@@ -95,7 +95,7 @@ def test_r3_with_a_rollout_func_that_returns_no_routes_is_refused(tok, tmp_path)
         return out
 
     trainer.rollout_func = trainer._reading_routes(no_routes)
-    with pytest.raises(ConfigError, match="returned no 'routed_experts'"):
+    with pytest.raises(ConfigError, match=r"replay='R3': this generation path records no routes \(a rollout_func wi"):
         trainer.train()
 
 

@@ -25,12 +25,18 @@ What this changes about TRL, and why:
   forward's own choice), ``routing/stale_flip_rate`` (that first forward against the current one, later updates
   only), and, in a batch's first update, the log-probability gap over completion tokens whose routing agreed in
   every layer and over the rest (``routing/rollout_logp_gap``, ``_agreed``, ``_disagreed``).
-* ``rollout_dtype="bfloat16"`` generates under bfloat16 autocast, an engine's precision gap on the CPU.
+* **Precision, said at construction**: TRL's ``bf16`` (its default) runs generation *and* the training forwards
+  under bfloat16 autocast; ``rollout_dtype="bfloat16"`` with ``bf16=False`` generates under bfloat16 autocast
+  against float32 training forwards, an engine's precision gap on the CPU; ``rollout_dtype`` with ``bf16=True``
+  would change nothing and is refused.
+* **Evaluation routes freely**: no recording, no replay, no bias in ``evaluate()``'s forwards.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -39,19 +45,36 @@ from trl.trainer.utils import split_tensor_dict
 
 from rpb.anchors import AnchorConfig, AnchorHandle, install_anchor
 from rpb.config import ConfigError
+from rpb.integrations.trl.generation import GenerationState
 from rpb.integrations.trl.rl_prior import PREPARED_COLUMNS, batch_labels
 from rpb.integrations.trl.rollouts import ROUTE_READERS, RolloutRoutes
 from rpb.integrations.trl.scaling import SCALING, token_weights_BC
 from rpb.integrations.trl.sft import hold_native_aux_off
-from rpb.replay import (
-    REPLAY_MODES,
-    RouteReplay,
+from rpb.observe.hooks import on_model_inputs
+from rpb.replay import REPLAY_MODES, RouteReplay
+
+logger = logging.getLogger(__name__)
+
+#: what TRL's forward takes beside the tokens (images and their fields): the forced R2 forward passes them on
+_FORWARD_FIELDS = tuple(
+    name
+    for name in inspect.signature(trl.GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    if name not in ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size")
+    and not name.startswith("compute_")
 )
+
+
+def precision(args) -> str:
+    """Which precision generation and the training forwards run in, under these settings (one line)."""
+    train = "bfloat16 autocast" if args.bf16 else "float16 autocast" if args.fp16 else "the model's dtype"
+    rollout = "bfloat16 autocast (rollout_dtype)" if getattr(args, "rollout_dtype", None) else train
+    return f"generation runs in {rollout}, the training forwards in {train}"
 
 
 @dataclass
 class GRPOConfig(trl.GRPOConfig):
-    """TRL's ``GRPOConfig`` with rpb's fields (every other field is TRL's)."""
+    """TRL's ``GRPOConfig`` with rpb's fields (every other field is TRL's). A conflict among its fields is refused
+    here, every one listed; the precision it runs in is said once."""
 
     router_aux_loss_coef: float | None = field(
         default=0.0,
@@ -59,7 +82,11 @@ class GRPOConfig(trl.GRPOConfig):
     )
     replay: str = field(default="off", metadata={"help": "routing replay: 'off', 'R2' or 'R3' (docs/rl.md)"})
     rollout_dtype: str | None = field(
-        default=None, metadata={"help": "'bfloat16': generate under bfloat16 autocast (an engine's precision gap)"}
+        default=None,
+        metadata={
+            "help": "'bfloat16': generate under bfloat16 autocast while training runs in the model's dtype (needs "
+            "bf16=False; an engine's precision gap)"
+        },
     )
     routes_format: str = field(
         default="vllm",
@@ -69,8 +96,26 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
 
+    def __post_init__(self):
+        super().__post_init__()
+        problems = config_problems(self)
+        if problems:
+            raise ConfigError("rpb.integrations.trl.GRPOConfig", problems)
+        _say_precision(self)
 
-def _problems(args, anchor: AnchorHandle | None, columns: tuple = (), has_rollout_func: bool = False) -> list[str]:
+
+_SAID: set[str] = set()
+
+
+def _say_precision(args) -> None:
+    line = precision(args)
+    if line not in _SAID:
+        _SAID.add(line)
+        logger.warning("rpb GRPO: %s", line)
+
+
+def config_problems(args) -> list[str]:
+    """The config's own conflicts: its fields alone say them."""
     out = []
     if args.router_aux_loss_coef not in (None, 0.0):
         out.append(
@@ -85,6 +130,37 @@ def _problems(args, anchor: AnchorHandle | None, columns: tuple = (), has_rollou
     replay = getattr(args, "replay", "off")
     if replay not in REPLAY_MODES:
         out.append(f"replay={replay!r}: one of {', '.join(REPLAY_MODES)}")
+    if replay == "R3" and getattr(args, "use_transformers_continuous_batching", False):
+        out.append(
+            "use_transformers_continuous_batching with replay='R3': the paged generate_batch path mixes requests "
+            "in one forward and returns no per-token routes to record; use the regular generate path"
+        )
+    if getattr(args, "routes_format", "vllm") not in ROUTE_READERS:
+        out.append(f"routes_format={args.routes_format!r}: one of {', '.join(ROUTE_READERS)}")
+    rollout_dtype = getattr(args, "rollout_dtype", None)
+    if rollout_dtype not in (None, "bfloat16"):
+        out.append(f"rollout_dtype={rollout_dtype!r}: None or 'bfloat16'")
+    elif rollout_dtype is not None and (args.bf16 or args.fp16):
+        out.append(
+            f"rollout_dtype={rollout_dtype!r} with {'bf16' if args.bf16 else 'fp16'}=True: the training forwards "
+            "already run under that autocast (TRL's GRPOConfig defaults bf16=True), so generation would differ "
+            "from training in nothing; set bf16=False to train in the model's dtype"
+        )
+    return out
+
+
+def trainer_problems(
+    args, model, anchor: AnchorHandle | None, columns: tuple = (), has_rollout_func: bool = False
+) -> list[str]:
+    """What the config cannot say alone: the anchor against the model and the data, replay against the
+    generation path."""
+    out = []
+    replay = getattr(args, "replay", "off")
+    if anchor is not None and anchor.model is not model:
+        out.append(
+            "anchor: installed on another model object than the one given to the trainer; install it on this one "
+            "(TRL's own peft_config wrapping is followed, an object swapped by hand is not)"
+        )
     if anchor is not None and anchor.method.needs_prior and replay == "R3":
         out.append(
             f"anchor.method={anchor.method.name} with replay='R3': the rollout's routes are bias-free (rollouts "
@@ -96,20 +172,11 @@ def _problems(args, anchor: AnchorHandle | None, columns: tuple = (), has_rollou
             f"anchor.method={anchor.method.name} reads a prior per row and span: build the dataset with "
             "rpb.integrations.trl.prepare_grpo (each row's sample index and rpb's labels of its prompt)"
         )
-    if replay != "off" and getattr(args, "use_transformers_continuous_batching", False):
-        out.append(
-            "use_transformers_continuous_batching with replay: the paged generate_batch path mixes requests in "
-            "one forward and returns no per-token routes to record; use the regular generate path"
-        )
     if replay == "R3" and getattr(args, "use_vllm", False) and not has_rollout_func:
         out.append(
             "use_vllm with replay='R3': TRL's vLLM client returns no routes and rpb does not patch it; hand them in "
             "with a rollout_func returning 'routed_experts' per rollout (docs/rl.md)"
         )
-    if getattr(args, "routes_format", "vllm") not in ROUTE_READERS:
-        out.append(f"routes_format={args.routes_format!r}: one of {', '.join(ROUTE_READERS)}")
-    if getattr(args, "rollout_dtype", None) not in (None, "bfloat16"):
-        out.append(f"rollout_dtype={args.rollout_dtype!r}: None or 'bfloat16'")
     return out
 
 
@@ -117,16 +184,24 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
     """TRL's ``GRPOTrainer`` with an rpb anchor (``anchor``: an installed ``AnchorHandle``; None installs the
     plain ``sft`` one, which adds nothing and lets ``rpb.monitor`` read the training forward) and routing replay
     (``args.replay``). ``model`` must be the model object the anchor was installed on. Everything else is
-    TRL's, except what the module docstring lists."""
+    TRL's, except what the module docstring lists.
+
+    Its state: ``_generation`` (``rpb.integrations.trl.generation.GenerationState``), one generation batch from
+    TRL's generation call to the batch dict it returns; ``_micro``, one training micro-batch from
+    ``_prepare_inputs`` to the end of its ``training_step`` (its inputs, routes to replay, the anchor's scale, the
+    open contexts, the training forward's log-probabilities)."""
 
     def __init__(self, model, reward_funcs, args: trl.GRPOConfig, train_dataset=None, *, anchor=None, **kwargs):
         if isinstance(model, str):
             raise ConfigError("rpb.integrations.trl.GRPOTrainer", ["model: the loaded model object, not a name"])
         columns = tuple(getattr(train_dataset, "column_names", None) or ())
-        problems = _problems(args, anchor, columns, kwargs.get("rollout_func") is not None)
+        problems = config_problems(args) + trainer_problems(
+            args, model, anchor, columns, kwargs.get("rollout_func") is not None
+        )
         if problems:
             raise ConfigError("rpb.integrations.trl.GRPOTrainer", problems)
         hold_native_aux_off(args)
+        _say_precision(args)
         self.anchor = anchor if anchor is not None else install_anchor(model, AnchorConfig(method="sft"))
         self.replay_mode = getattr(args, "replay", "off")
         self.rollout_dtype = getattr(args, "rollout_dtype", None)
@@ -139,18 +214,42 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         self._generating = base
         if self.rollout_func is not None:
             self.rollout_func = self._reading_routes(self.rollout_func)
-        self._pending: dict | None = None  # one generation's routes and log-probabilities
-        self._rows: list | None = None  # the generation batch's dataset rows
-        self._scoring = False  # inside _generate_and_score_completions
-        self._first_routes: torch.Tensor | None = None
-        self._train_logps: torch.Tensor | None = None
-        self._step_stack: contextlib.ExitStack | None = None
+        self._generation: GenerationState | None = None
         self._micro: dict | None = None
+        if (
+            self.replay_mode == "R2"
+            and self.num_iterations == 1
+            and args.steps_per_generation <= (args.gradient_accumulation_steps)
+        ):
+            logger.warning(
+                "rpb GRPO: replay='R2' with num_iterations=1 and steps_per_generation (%d) <= "
+                "gradient_accumulation_steps (%d): every micro-batch is trained before the policy moves, so the "
+                "first forward's routing is the training forward's own; R2 equals 'off' plus one forced forward",
+                args.steps_per_generation,
+                args.gradient_accumulation_steps,
+            )
 
-    def _prior_step(self, sample_B: torch.Tensor, span_BS: torch.Tensor, mask_BS: torch.Tensor):
-        """The anchor's context for a forward of these rollouts: each token's row and span, -1 on padding."""
+    def _is_policy(self, model) -> bool:
+        """The trainer's own model, under any DDP / FSDP wrapper (the reference model is not)."""
+        return model is self.model or self.accelerator.unwrap_model(model) is self.model
+
+    @contextlib.contextmanager
+    def _prior_rows(self, sample_B: torch.Tensor, span_BS: torch.Tensor, mask_BS: torch.Tensor):
+        """The anchor's context over forwards of consecutive rows of these rollouts (TRL scores in chunks): each
+        forward takes its own rows' (row, span), -1 on padding."""
         sample_BS = torch.where(mask_BS.bool(), sample_B.to(mask_BS.device)[:, None], -1)
-        return self.anchor.step(sample_BS, span_BS.to(mask_BS.device), mask_BS)
+        span_BS = span_BS.to(mask_BS.device)
+        stack, taken = contextlib.ExitStack(), [0]
+
+        def on_inputs(args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            rows = slice(taken[0], taken[0] + ids.shape[0])
+            taken[0] = rows.stop
+            stack.close()
+            stack.enter_context(self.anchor.step(sample_BS[rows], span_BS[rows], mask_BS[rows]))
+
+        with on_model_inputs(self.model, on_inputs), stack:
+            yield
 
     def _trl_scores_old_logps(self) -> bool:
         """TRL's own condition for the old-log-prob forward in ``_generate_and_score_completions``."""
@@ -160,64 +259,74 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         )
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
-        if self._scoring and model is self.model and self._first_routes is None and self._trl_scores_old_logps():
-            # TRL's old-log-prob forward: the first training-side forward of the batch
+        state, policy = self._generation, self._is_policy(model)
+        first = state is not None and state.scoring and policy and state.first_routes is None
+        if first and self._trl_scores_old_logps():  # TRL's old-log-prob forward: the first training-side forward
             return self._first_forward(model, input_ids, attention_mask, logits_to_keep, *a, **kw)
         out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *a, **kw)
-        if not self._scoring and model is self.model:
-            self._train_logps = out[0].detach()
+        if self._micro is not None and policy and state is None:
+            self._micro["train_logps"] = out[0].detach()
         return out
 
     def _first_forward(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
+        """The first training-side forward of a generation batch (no gradients): R3 replays the rollouts' routes,
+        RPB biases it as the training forward will be; it records its own routing (R2's, and the flip rate's
+        reference). The monitor and the anchor's statistics never see it: it is no training forward."""
+        state = self._generation
         P = input_ids.shape[1] - logits_to_keep
-        routes = self._pending_batch_routes(P, logits_to_keep)
+        routes = self._batch_routes(P, logits_to_keep) if self.replay_mode == "R3" else None
         biased = contextlib.nullcontext()
-        if self._pending is not None and "labels" in self._pending:
-            # the forward the old log-probabilities stand for is the biased training forward; one chunk, since the
-            # anchor's context covers every row of the forward
-            kw["batch_size"] = input_ids.shape[0]
-            biased = self._prior_step(*batch_labels(self._pending["labels"], P, logits_to_keep), attention_mask)
-        with self.replay.forward(routes if self.replay_mode == "R3" else None), biased:
+        if state.labels is not None:
+            biased = self._prior_rows(*batch_labels(state.labels, P, logits_to_keep), attention_mask)
+        with self.replay.forward(routes), biased, self.anchor.unobserved():
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *a, **kw)
-        self._first_routes = self.replay.native_BSLK.cpu()
+        state.first_routes = self.replay.native_BSLK
         return out
 
     def _generate_and_score_completions(self, inputs):
-        self._pending, self._first_routes, self._scoring, self._rows = None, None, True, inputs
+        if not self.model.training:  # evaluation: nothing recorded, replayed or biased
+            return super()._generate_and_score_completions(inputs)
+        state = self._generation = GenerationState(rows=inputs)
         try:
             output = super()._generate_and_score_completions(inputs)
-            if self.replay_mode == "R2" and self._first_routes is None and self.model.training:
+            if self.replay_mode == "R2" and state.first_routes is None:
                 # R2 replays the first forward's routing: run it where TRL would skip it (its log-probs then
-                # serve as the old ones, equal to what TRL's would be)
-                input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-                mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+                # serve as the old ones, equal to what TRL's would be), with every field TRL's forward takes
+                fields = {k: output[k] for k in _FORWARD_FIELDS if k in output}
                 with torch.no_grad():
                     logps, _, _ = self._first_forward(
                         self.model,
-                        input_ids,
-                        mask,
+                        torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
+                        torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
                         output["completion_ids"].shape[1],
                         batch_size=self.args.per_device_train_batch_size,
+                        **fields,
                     )
                 output["old_per_token_logps"] = logps
+            state.scoring = False
+            self._attach(output, state)
         finally:
-            self._scoring = False
-        P, C = output["prompt_ids"].shape[1], output["completion_ids"].shape[1]
-        routes = self._pending_batch_routes(P, C)
-        if routes is not None:
-            output["rpb_rollout_routes"] = routes.to(output["prompt_ids"].device)
-            logps_BC = torch.zeros((routes.shape[0], C), dtype=torch.float32)
-            for b, lp in enumerate(self._pending["logps"]):
-                logps_BC[b, : len(lp)] = lp
-            output["rpb_rollout_logps"] = logps_BC.to(output["prompt_ids"].device)
-        if self._first_routes is not None:
-            output["rpb_first_routes"] = self._first_routes.to(output["prompt_ids"].device)
-        if self._pending is not None and "labels" in self._pending:
-            sample_B, span_BS = batch_labels(self._pending["labels"], P, C)
-            output["rpb_sample_index"] = sample_B.to(output["prompt_ids"].device)
-            output["rpb_span_ids"] = span_BS.to(output["prompt_ids"].device)
-        self._pending = self._first_routes = None
+            self._generation = None
         return output
+
+    def _attach(self, output: dict, state: GenerationState) -> None:
+        """The generation batch's routes, log-probabilities and labels into TRL's batch dict, which TRL shuffles
+        and splits with the rollouts."""
+        device = output["prompt_ids"].device
+        P, C = output["prompt_ids"].shape[1], output["completion_ids"].shape[1]
+        routes = self._batch_routes(P, C)
+        if routes is not None:
+            output["rpb_rollout_routes"] = routes.to(device)
+            logps_BC = torch.full((routes.shape[0], C), float("nan"))
+            for b, lp in enumerate(state.logps):
+                logps_BC[b, : len(lp)] = lp
+            output["rpb_rollout_logps"] = logps_BC.to(device)
+        if state.first_routes is not None:
+            output["rpb_first_routes"] = state.first_routes.to(device)
+        if state.labels is not None:
+            sample_B, span_BS = batch_labels(state.labels, P, C)
+            output["rpb_sample_index"] = sample_B.to(device)
+            output["rpb_span_ids"] = span_BS.to(device)
 
     # ---- training: the anchor's context, replay, the anchor's term ---------------------------
     def _weights_BS(self, inputs) -> torch.Tensor:
@@ -249,7 +358,7 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
             inputs = generation_batch  # rollouts already made (prepared_rollouts): trained on as they are
         else:
             inputs = super()._prepare_inputs(generation_batch)
-        if self.model.training and self._step_stack is None:
+        if self.model.training and self._micro is None:
             self._open_step(inputs)
         return inputs
 
@@ -264,27 +373,28 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         normalised_BS = (weights_BS / total if total > 0 else weights_BS).float()
         routes = {"R3": inputs.get("rpb_rollout_routes"), "R2": inputs.get("rpb_first_routes")}.get(self.replay_mode)
         generate_every = self.args.steps_per_generation * self.num_iterations
+        if "rpb_span_ids" in inputs:
+            sample_BS = torch.where(mask_BS.bool(), inputs["rpb_sample_index"][:, None], -1)
+            span_BS = inputs["rpb_span_ids"]
+        stack = contextlib.ExitStack()
         self._micro = {
             "inputs": inputs,
             "routes": routes,
             "scale": total,
             "first_update": (self._step % generate_every) // self.args.steps_per_generation == 0,
+            "stack": stack,
+            "train_logps": None,
         }
-        stack = contextlib.ExitStack()
-        if "rpb_span_ids" in inputs:
-            sample_BS = torch.where(mask_BS.bool(), inputs["rpb_sample_index"][:, None], -1)
-            span_BS = inputs["rpb_span_ids"]
         stack.enter_context(self.anchor.step(sample_BS, span_BS, mask_BS, normalised_BS))
         stack.enter_context(self.replay.forward(routes))
-        self._step_stack = stack
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         try:
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
-            if self._step_stack is not None:
-                self._step_stack.close()
-            self._step_stack = self._micro = None
+            if self._micro is not None:
+                self._micro["stack"].close()
+            self._micro = None
 
     def _compute_loss(self, model, inputs):
         loss = super()._compute_loss(model, inputs)
@@ -298,4 +408,6 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
             scale = self._micro["scale"]
         else:  # a term on the router weights: once per optimizer step
             scale = 1.0 / self.current_gradient_accumulation_steps
-        return loss + term * torch.as_tensor(scale, dtype=term.dtype, device=term.device)
+        scaled = term * torch.as_tensor(scale, dtype=term.dtype, device=term.device)
+        self._metrics["train"][f"anchor/{self.anchor.method.name}"].append(float(term.detach()))
+        return loss + scaled

@@ -72,9 +72,16 @@ def prepare_grpo(
     return handle, datasets.Dataset.from_list(records)
 
 
-def rollout_labels(rows: list[dict], prompt_ids: list[list[int]], completion_ids: list[list[int]]):
-    """Per rollout ``(sample index, its prompt tokens' span ids, its completion's length)``; a prompt whose tokens
-    are not rpb's prefix of its row is refused, every such rollout listed."""
+def rollout_labels(
+    rows: list[dict],
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    tool_mask: list[list[int]] | None = None,
+):
+    """Per rollout ``(sample index, its prompt tokens' span ids, its completion tokens' span ids)``: A on what the
+    model generated, structural on a tool's result inside the completion (``tool_mask`` 0: text the model did not
+    write, like the template's); a prompt whose tokens are not rpb's prefix of its row is refused, every such
+    rollout listed."""
     out, problems = [], []
     for b, (row, p, c) in enumerate(zip(rows, prompt_ids, completion_ids, strict=True)):
         ids, spans = row["rpb_input_ids"], row["rpb_span_ids"]
@@ -89,7 +96,9 @@ def rollout_labels(rows: list[dict], prompt_ids: list[list[int]], completion_ids
                 "its keyword arguments, or the tokenizer), so its tokens' (sample, span) would be wrong"
             )
             continue
-        out.append((int(row["rpb_sample_index"]), list(spans[: len(p)]), len(c)))
+        generated = tool_mask[b] if tool_mask is not None else [1] * len(c)
+        completion = [A_SPAN if keep else STRUCTURAL for keep in generated]
+        out.append((int(row["rpb_sample_index"]), list(spans[: len(p)]), completion))
     if problems:
         raise ConfigError("rpb.integrations.trl.GRPOTrainer", problems)
     return out
@@ -97,12 +106,12 @@ def rollout_labels(rows: list[dict], prompt_ids: list[list[int]], completion_ids
 
 def batch_labels(labels, P: int, C: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sample_B, span_BS)`` in TRL's padded layout (prompt left-padded to P, completion right-padded to C):
-    the prompt's own labels, A on the completion, structural on padding."""
+    the prompt's own labels, the completion's (A, structural on a tool's result), structural on padding."""
     B = len(labels)
     span_BS = torch.full((B, P + C), STRUCTURAL, dtype=torch.long)
     sample_B = torch.empty(B, dtype=torch.long)
-    for b, (sample, prompt_spans, completion) in enumerate(labels):
+    for b, (sample, prompt_spans, completion_spans) in enumerate(labels):
         sample_B[b] = sample
         span_BS[b, P - len(prompt_spans) : P] = torch.tensor(prompt_spans, dtype=torch.long)
-        span_BS[b, P : P + completion] = A_SPAN
+        span_BS[b, P : P + len(completion_spans)] = torch.tensor(completion_spans, dtype=torch.long)
     return sample_B, span_BS

@@ -1,11 +1,19 @@
-"""The rollout side of rpb's ``GRPOTrainer``: each rollout's routes and log-probabilities, recorded as
-``generate`` makes them or read from a ``rollout_func``'s engine output, laid out for the batch; and the
-mismatch figures that compare them with the training forward (docs/rl.md).
+"""The rollout side of rpb's ``GRPOTrainer``: each rollout's routes and log-probabilities, recorded as ``generate``
+makes them or read from a ``rollout_func``'s engine output, and RPB's token labels, on every generation path;
+and the mismatch figures that compare them with the training forward (docs/rl.md).
 
 ``RolloutRoutes`` is a mixin of ``rpb.integrations.trl.grpo.GRPOTrainer`` (before TRL's class in its bases): it
-reads the trainer's ``replay`` (``rpb.replay.RouteReplay``), ``anchor``, ``replay_mode``, ``rollout_dtype``,
-``_generating`` (the causal LM ``generate`` forwards) and ``_rows`` (the generation batch's dataset rows), and
-leaves one generation's ``_pending`` routes, log-probabilities and (with a prior) token labels.
+reads the trainer's ``replay`` (``rpb.replay.RouteReplay``), ``anchor``, ``replay_mode``, ``rollout_dtype`` and
+``_generating`` (the causal LM ``generate`` forwards), and fills the generation batch's ``GenerationState``
+(``_generation``, None outside training's generation: evaluation records nothing and routes freely).
+
+The generation paths, and what each gives (RPB's labels come from the tokens on every one):
+
+* ``generate``, with a KV cache or without, chunked prefill, left padding, TRL's tool loop: routes recorded and
+  placed by position (``rpb.replay.record``, ``rpb.integrations.trl.generation``);
+* a ``rollout_func`` returning ``routed_experts``: the engine's routes, checked against the model;
+* a ``rollout_func`` without them, ``use_vllm``, ``use_transformers_continuous_batching``: no routes (R3 refused,
+  the rollout figures off, said once).
 
 Shape legend: B = rollouts, P / C = padded prompt / completion lengths, S = P + C, L = MoE layers, K = top-k.
 """
@@ -13,64 +21,83 @@ Shape legend: B = rollouts, P / C = padded prompt / completion lengths, S = P + 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 
 import torch
+from trl.trainer.utils import pad
 
 from rpb.config import ConfigError
+from rpb.integrations.trl.generation import GenerationState
 from rpb.integrations.trl.rl_prior import rollout_labels
-from rpb.replay import GenerationRecorder, batch_routes, rollout_routes, routes_from_sglang, routes_from_vllm
+from rpb.replay import GenerationRecorder, batch_routes, routes_from_sglang, routes_from_vllm
 from rpb.replay.mismatch import agreed_for_completion, completion_positions, differs_BSL, flip_rate_L, logp_gap
 from rpb.replay.routes import routed_positions
+
+logger = logging.getLogger(__name__)
 
 #: GRPOConfig.routes_format -> the reader of one rollout's engine routes
 ROUTE_READERS = {"vllm": routes_from_vllm, "sglang": routes_from_sglang}
 
 
-class RolloutRoutes:
-    """Routes and log-probabilities of each rollout, and the mismatch figures (see the module docstring)."""
+def logp_value(value) -> float:
+    """A rollout's log-probability as a float: None (vLLM's NaN reported so) is NaN, a missing value."""
+    return float("nan") if value is None else float(value)
 
-    # ---- generation: each rollout's routes and log-probabilities ------------------------------
+
+class RolloutRoutes:
+    """Routes, log-probabilities and labels of each rollout, and the mismatch figures (see the module docstring)."""
+
+    _generation: GenerationState | None = None
+    _said: frozenset = frozenset()
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said = self._said | {key}
+            logger.warning(message)
+
+    def _precision(self):
+        """Generation under bfloat16 autocast (``rollout_dtype``), an engine's precision gap on the CPU."""
+        if self.rollout_dtype == "bfloat16":
+            return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ---- generation: each generate call -------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        state = self._generation
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(*args)
-        precision = (
-            torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16)
-            if self.rollout_dtype == "bfloat16"
-            else contextlib.nullcontext()
-        )
-        with GenerationRecorder(self._generating, self.replay.layers, self.temperature) as rec, precision:
+        if state is None or state.routes is not None:  # evaluation; or an engine's rollouts, continued by tools
+            if state is not None and state.problem is None:
+                state.problem = "TRL's tool loop continued a rollout_func's rollouts, past the engine's routes"
+            with self._precision():
+                return super()._generate_single_turn(*args)
+        with GenerationRecorder(self._generating, self.replay.layers, self.temperature) as rec, self._precision():
             completion_ids, logprobs = super()._generate_single_turn(*args)
+        if rec.problem is not None:
+            kwargs = f" (generation_kwargs={self.generation_kwargs!r})" if self.generation_kwargs else ""
+            state.problem = state.problem or rec.problem + kwargs
+            return completion_ids, logprobs
         routes_BSLK = rec.routes_BSLK
-        B, P = len(prompt_ids), rec.prompt_len
+        # P exactly as TRL padded the prompts for generate (its own function, its pad_to_multiple_of)
+        P = pad([torch.zeros(len(p), dtype=torch.int8) for p in prompt_ids], 0, "left", self.pad_to_multiple_of)
+        P = P.shape[1]
         generated = routes_BSLK.shape[1] + 1 - P
-        keep_BS = torch.zeros((B, P + generated), dtype=torch.bool)
-        last_B1 = torch.zeros((B, 1), dtype=torch.long)
-        for b, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-            keep_BS[b, P - len(p) : P + len(c)] = True
-            last_B1[b, 0] = c[-1] if len(c) == generated else 0  # only a full-length row's last token is unread
-        logps_BC = rec.logps(last_B1)
-        self._pending = {
-            "routes": rollout_routes(routes_BSLK, keep_BS),
-            "logps": [logps_BC[b, : len(c)] for b, c in enumerate(completion_ids)],
-        }
-        if self.anchor.prior is not None:
-            self._pending["labels"] = rollout_labels(self._rows, prompt_ids, completion_ids)
+        # only a full-length row's last token was never forwarded; the others' values are read already
+        last_B1 = torch.tensor([[c[-1] if len(c) == generated else 0] for c in completion_ids], dtype=torch.long)
+        state.add_turn(prompt_ids, completion_ids, routes_BSLK, rec.logps(last_B1, prompt_len=P), P)
         return completion_ids, logprobs
 
     def _reading_routes(self, rollout_func):
         """``rollout_func`` (an engine's rollouts) with its ``routed_experts`` read into rpb's routes: one entry per
-        rollout in ``routes_format``'s shape, checked against the model; its ``logprobs`` are the rollout's."""
+        rollout in ``routes_format``'s shape, checked against the model; its ``logprobs`` are the rollout's (None
+        or NaN: missing)."""
 
         def read(prompts, trainer):
             out = rollout_func(prompts, trainer)
-            self._pending = None
-            if "routed_experts" not in out:
-                if self.replay_mode == "R3":
-                    raise ConfigError(
-                        "rpb.integrations.trl.GRPOTrainer",
-                        ["replay='R3': the rollout_func returned no 'routed_experts', so there is nothing to replay"],
-                    )
+            state = self._generation
+            if state is None or "routed_experts" not in out:
                 return out
             reader, spec = ROUTE_READERS[self.args.routes_format], self.replay.specs[0]
             layers = [m.layer_index for m in self.replay.layers]
@@ -80,25 +107,69 @@ class RolloutRoutes:
             for i, (raw, p, c) in enumerate(rollouts):
                 fit = {"moe_layers": layers, "top_k": spec.top_k, "num_experts": spec.num_experts, "num_layers": total}
                 routes.append(reader(raw, num_tokens=len(p) + len(c), name=f"rollout {i}", **fit))
-            logps = [torch.tensor(lp, dtype=torch.float32) for lp in out["logprobs"]]
-            self._pending = {"routes": routes, "logps": logps}
-            if self.anchor.prior is not None:
-                self._pending["labels"] = rollout_labels(self._rows, out["prompt_ids"], out["completion_ids"])
+            state.routes = routes
+            state.logps = [torch.tensor([logp_value(v) for v in lp], dtype=torch.float32) for lp in out["logprobs"]]
             return out
 
         return read
 
-    def _pending_batch_routes(self, P: int, C: int) -> torch.Tensor | None:
-        if self._pending is None:
+    # ---- generation: the whole batch, every path ------------------------------------------------
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        state = self._generation
+        if state is None:
+            return out
+        prompt_ids, completion_ids, tool_mask = out[0], out[1], out[2]
+        if state.routes is None:
+            state.close(prompt_ids, completion_ids)
+        self._settle_routes(state)
+        if self.anchor.prior is not None:  # from the tokens, whatever path made them
+            state.labels = rollout_labels(state.rows, prompt_ids, completion_ids, tool_mask)
+        return out
+
+    def _settle_routes(self, state: GenerationState) -> None:
+        """R3 without routes is refused by name at the first batch; under R2 or off the run goes on without the
+        rollout figures, said once with the reason."""
+        if state.problem is not None:
+            state.routes = state.logps = None
+            reason = f"the rollouts' routes cannot be placed: {state.problem}"
+        elif state.routes is None:
+            reason = (
+                "this generation path records no routes ("
+                + ", ".join(self._unrecorded_settings())
+                + "): hand an engine's in with a rollout_func returning 'routed_experts' (docs/rl.md)"
+            )
+        else:
+            return
+        if self.replay_mode == "R3":
+            raise ConfigError("rpb.integrations.trl.GRPOTrainer", [f"replay='R3': {reason}"])
+        self._say_once("no-routes", f"rpb GRPO: routing/rollout_* figures are off: {reason}")
+
+    def _unrecorded_settings(self) -> list[str]:
+        settings = [
+            name
+            for name, on in (
+                ("use_vllm", self.use_vllm),
+                ("use_transformers_continuous_batching", self.use_transformers_continuous_batching),
+                ("a rollout_func without 'routed_experts'", self.rollout_func is not None),
+            )
+            if on
+        ]
+        return settings or ["no generate call was recorded"]
+
+    def _batch_routes(self, P: int, C: int) -> torch.Tensor | None:
+        """The generation batch's rollout routes in TRL's padded layout (None when it has none)."""
+        state = self._generation
+        if state is None or state.routes is None:
             return None
-        lengths = [r.shape[0] + 1 for r in self._pending["routes"]]
-        completion = [len(lp) for lp in self._pending["logps"]]
+        lengths = [r.shape[0] + 1 for r in state.routes]
+        completion = [len(lp) for lp in state.logps]
         prompt_mask_BP = torch.zeros((len(lengths), P), dtype=torch.long)
         completion_mask_BC = torch.zeros((len(lengths), C), dtype=torch.long)
         for b, (n, c) in enumerate(zip(lengths, completion, strict=True)):
             prompt_mask_BP[b, P - (n - c) :] = 1
             completion_mask_BC[b, :c] = 1
-        return batch_routes(self._pending["routes"], prompt_mask_BP, completion_mask_BC)
+        return batch_routes(state.routes, prompt_mask_BP, completion_mask_BC)
 
     # ---- the mismatch figures ------------------------------------------------------------
     def _log_mismatch(self, micro: dict) -> None:
@@ -108,7 +179,10 @@ class RolloutRoutes:
         rollout = inputs["rpb_rollout_routes"]
         native = self.replay.native_BSLK.to(rollout.device)
         P = inputs["prompt_ids"].shape[1]
-        count_BS = completion_positions(P, inputs["completion_mask"].bool()) & routed_positions(rollout)
+        mask_BC = inputs["completion_mask"]
+        if "tool_mask" in inputs:  # a tool's result is no rollout's choice: it counts in no figure
+            mask_BC = mask_BC * inputs["tool_mask"]
+        count_BS = completion_positions(P, mask_BC.bool()) & routed_positions(rollout)
         metrics = self._metrics["train"]
         first = inputs.get("rpb_first_routes")
         if micro["first_update"]:
@@ -120,9 +194,13 @@ class RolloutRoutes:
         used = native if replayed is None else torch.where(replayed >= 0, replayed, native)
         agreed_BC = agreed_for_completion(differs_BSL(rollout, used) & routed_positions(rollout)[..., None], P)
         # the first update only: later ones add the policy's own change since the rollout (the importance ratio)
-        if micro["first_update"] and self._train_logps is not None and "rpb_rollout_logps" in inputs:
-            gap = logp_gap(inputs["rpb_rollout_logps"], self._train_logps, agreed_BC, inputs["completion_mask"])
+        if micro["first_update"] and micro.get("train_logps") is not None and "rpb_rollout_logps" in inputs:
+            rollout_BC = inputs["rpb_rollout_logps"]
+            seen_BC = ~torch.isnan(rollout_BC)
+            missing = int((mask_BC.bool() & ~seen_BC).sum())
+            metrics["routing/rollout_logp_missing"].append(float(missing))
+            gap = logp_gap(rollout_BC.nan_to_num(0.0), micro["train_logps"], agreed_BC, mask_BC * seen_BC)
             for name in ("all", "agreed", "disagreed"):
-                if gap[f"{name}_tokens"]:
+                if gap[f"{name}_tokens"] and not math.isnan(gap[name]):
                     key = "routing/rollout_logp_gap" if name == "all" else f"routing/rollout_logp_gap_{name}"
                     metrics[key].append(gap[name])
