@@ -63,7 +63,9 @@ MUTANTS: tuple[Mutant, ...] = (
         function="GenerationRecorder._on_outputs",
         pattern=r"\.float\(\) / self\.temperature",
         replacement=".float()",
-        tests=("tests/replay/test_record.py::test_logps_are_the_raw_logits_over_the_temperature[qwen3_moe-sampled-cache]",),
+        tests=(
+            "tests/replay/test_record.py::test_logps_are_the_raw_logits_over_the_temperature[qwen3_moe-sampled-cache]",
+        ),
     ),
     Mutant(
         name="trl_aux_coefficient_left_at_the_model_configs",

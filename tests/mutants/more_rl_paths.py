@@ -7,6 +7,9 @@ from tests.mutants.harness import Mutant
 
 RECORD = "tests/replay/test_record.py"
 PATHS = "tests/integrations/trl/test_generation_paths.py"
+RL_PRIOR = "tests/integrations/trl/test_rl_prior.py"
+GRPO = "tests/integrations/trl/test_grpo.py"
+ROLLOUTS = "tests/integrations/trl/test_rollouts.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -41,5 +44,66 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r"routes_BSLK\[j, start \+ record\.routed : start \+ len\(tokens\) - 1\]",
         replacement="routes_BSLK[j, start + record.routed + 1 : start + len(tokens)]",
         tests=(f"{PATHS}::test_the_routes_are_each_tokens_own_on_every_generation_path[qwen3_moe-tools]",),
+    ),
+    Mutant(
+        name="rpb_labels_only_on_the_recorded_path",
+        story="RPB's token labels are built only where rpb records generation: a rollout_func, use_vllm or "
+        "continuous batching trains plain GRPO under the name rpb",
+        path="integrations/trl/rollouts.py",
+        function="RolloutRoutes._generate",
+        pattern=r"if self\.anchor\.prior is not None:  # from the tokens",
+        replacement="if self.anchor.prior is not None and state.rollouts:  # from the tokens",
+        tests=(f"{RL_PRIOR}::test_the_training_forward_reads_each_tokens_row_and_span[rollout_func]",),
+    ),
+    Mutant(
+        name="evaluation_scored_as_training",
+        story="evaluate()'s old-log-prob forward goes through the training path: it is replayed and biased, and "
+        "eval's clip figures compare a replayed forward with a free one",
+        path="integrations/trl/grpo.py",
+        function="GRPOTrainer._generate_and_score_completions",
+        pattern=r"if not self\.model\.training:  # evaluation",
+        replacement="if False:  # evaluation",
+        tests=(f"{RL_PRIOR}::test_scoring_and_evaluation_stay_out_of_the_monitor_and_the_bias",),
+    ),
+    Mutant(
+        name="scoring_forward_observed",
+        story="the old-log-prob forward runs inside the anchor's step and its taps: the monitor counts every "
+        "completion token twice under rpb",
+        path="integrations/trl/grpo.py",
+        function="GRPOTrainer._first_forward",
+        pattern=r", self\.anchor\.unobserved\(\):",
+        replacement=":",
+        tests=(f"{RL_PRIOR}::test_scoring_and_evaluation_stay_out_of_the_monitor_and_the_bias",),
+    ),
+    Mutant(
+        name="scoring_in_one_forward_under_rpb",
+        story="the anchor's context covers the whole generation batch, so it is scored in one forward: activation "
+        "memory grows with steps_per_generation",
+        path="integrations/trl/grpo.py",
+        function="GRPOTrainer._first_forward",
+        pattern=r"biased = self\._prior_rows\(\*batch_labels\(state\.labels, P, logits_to_keep\), attention_mask\)",
+        replacement="kw['batch_size'] = input_ids.shape[0]\n            "
+        "biased = self._prior_rows(*batch_labels(state.labels, P, logits_to_keep), attention_mask)",
+        tests=(f"{RL_PRIOR}::test_scoring_and_evaluation_stay_out_of_the_monitor_and_the_bias",),
+    ),
+    Mutant(
+        name="missing_rollout_logp_read_as_zero",
+        story="a rollout log-probability the engine did not report counts as 0 in the gap: the figure reports "
+        "the missing values, not the mismatch",
+        path="integrations/trl/rollouts.py",
+        function="RolloutRoutes._log_mismatch",
+        pattern=r"mask_BC \* seen_BC\)",
+        replacement="mask_BC)",
+        tests=(f"{ROLLOUTS}::test_missing_rollout_logps_are_counted_never_a_crash[all]",),
+    ),
+    Mutant(
+        name="rollout_dtype_under_bf16_accepted",
+        story="rollout_dtype is accepted beside TRL's bf16=True default: both sides run under bfloat16 autocast, "
+        "and the precision gap the user asked for is silently absent",
+        path="integrations/trl/grpo.py",
+        function="config_problems",
+        pattern=r"elif rollout_dtype is not None and \(args\.bf16 or args\.fp16\):",
+        replacement="elif False:",
+        tests=(f"{GRPO}::test_rollout_dtype_under_trls_bf16_default_is_refused_in_the_config",),
     ),
 )

@@ -73,7 +73,7 @@ class RoutingMonitor:
     config: MonitorConfig = field(default_factory=MonitorConfig)
     adapter: str | None = None
     #: an rpb anchor installed in ``model``: the monitor reads the routers through its taps (no hooks of its own
-    #: on them, the router's own selection reused) and keeps its own window (the anchor resets its counters at
+    #: on them) and keeps its own window (the anchor resets its counters at
     #: every log, the monitor at every flush)
     anchor: AnchorHandle | None = None
     #: count training-mode forwards only (the Trainer's callback: an evaluation inside a window stays out)
@@ -179,21 +179,21 @@ class RoutingMonitor:
         if self.active and (call.module.training or not self.training_only):
             with torch.no_grad():
                 logits_TE, _, _ = call.read()
-                self._observe(call.pos, call.hidden, logits_TE, None)
+                self._observe(call.pos, call.hidden, logits_TE)
 
     def _tap(self, pos: int, hidden, logits_TE, native_ids_TK) -> None:
         if self.active:  # the anchor taps training-mode forwards only
             with torch.no_grad():
-                self._observe(pos, hidden, logits_TE, native_ids_TK)
+                self._observe(pos, hidden, logits_TE)
 
-    def _observe(self, pos: int, hidden, logits_TE, ids_now_TK) -> None:
-        """One router call: ``ids_now_TK`` is the router's own selection where the caller has it (None: made
-        here by the family's rule, as the router makes it)."""
+    def _observe(self, pos: int, hidden, logits_TE) -> None:
+        """One router call. Both selections, the router's now and the base's, are made here by the family's rule
+        on logits of the live forward's precision (under bfloat16 autocast the router's logits are bfloat16, and
+        the base's are rounded alike), so identical routers read overlap 1 and KL 0 in any precision (the router's own
+        ids, which the anchor's tap hands over, may break a bfloat16 tie in other arithmetic: not reused)."""
         layer, base = self.layers[pos], self.base[pos]
         h_TH = hidden.reshape(-1, hidden.shape[-1])
         logits_TE = logits_TE.reshape(-1, logits_TE.shape[-1])
-        if ids_now_TK is not None:
-            ids_now_TK = ids_now_TK.reshape(logits_TE.shape[0], -1)
         if self._mask_source in ("attention", None) and not self._said_unlabelled:
             self._said_unlabelled = True  # label smoothing, compute_loss_func and TRL's RL trainers drop labels
             logger.warning(
@@ -209,22 +209,19 @@ class RoutingMonitor:
         if self._mask_T is not None and self._mask_T.numel() == h_TH.shape[0]:
             keep = self._mask_T.to(h_TH.device)
             h_TH, logits_TE = h_TH[keep], logits_TE[keep]
-            ids_now_TK = None if ids_now_TK is None else ids_now_TK[keep]
-        logits_TE = logits_TE.float()
         if h_TH.shape[0] == 0:
             return
         base_TE = functional.linear(
             h_TH.float(),
             base["weight"].float().to(h_TH.device),
             None if base["bias"] is None else base["bias"].float().to(h_TH.device),
-        )
+        ).to(logits_TE.dtype)
         spec = base["spec"]
-        expert_now = expert_bias_of(layer, self.facts)
-        if ids_now_TK is None:
-            ids_now_TK = select(logits_TE, spec, None, expert_now)
+        ids_now_TK = select(logits_TE, spec, None, expert_bias_of(layer, self.facts))
         ids_base_TK = select(base_TE, spec, None, base["expert_bias"])
         hits = (ids_now_TK.unsqueeze(-1) == ids_base_TK.unsqueeze(-2)).any(-1).sum()
-        p_base, p_now = router_probs(base_TE, self.transform).double(), router_probs(logits_TE, self.transform).double()
+        p_base = router_probs(base_TE.float(), self.transform).double()
+        p_now = router_probs(logits_TE.float(), self.transform).double()
         kl = (p_base * (p_base.clamp_min(1e-30).log() - p_now.clamp_min(1e-30).log())).sum()
         w = self.window
         w.tokens[pos] += h_TH.shape[0]

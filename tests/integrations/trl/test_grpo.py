@@ -39,8 +39,8 @@ def anchor_config(method: str) -> AnchorConfig:
         "logit-l2", "lbl") else AnchorConfig(method=method)  # fmt: skip
 
 
-def trainer_for(tok, tmp_path, method="sft", seed=0, **overrides):
-    model = build_tiny_model("qwen3_moe", len(tok), seed=seed).train()
+def trainer_for(tok, tmp_path, method="sft", seed=0, arch="qwen3_moe", **overrides):
+    model = build_tiny_model(arch, len(tok), seed=seed).train()
     anchor = install_anchor(model, anchor_config(method))
     data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS])
     trainer = GRPOTrainer(model, reward, grpo_args(tmp_path, **overrides), data, processing_class=tok, anchor=anchor)
@@ -312,3 +312,63 @@ def test_every_supported_loss_type_and_gspo_train_with_an_anchor_and_replay(loss
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     anchor.remove()
+
+
+# ---- precision, and what the config and the trainer refuse ------------------------------------------------
+
+
+def test_rollout_dtype_under_trls_bf16_default_is_refused_in_the_config(tmp_path):
+    """TRL's GRPOConfig defaults bf16=True: training already runs under bfloat16 autocast, so rollout_dtype would
+    change nothing; refused where the config is made, not when the trainer is built."""
+    with pytest.raises(ConfigError, match=r"rollout_dtype='bfloat16' with bf16=True: the training forwards already"):
+        GRPOConfig(output_dir=str(tmp_path), rollout_dtype="bfloat16", use_cpu=True, report_to=[])
+    assert grpo_args(tmp_path, rollout_dtype="bfloat16").rollout_dtype == "bfloat16"  # bf16=False: the gap is real
+
+
+def test_the_precision_is_said_at_construction(tmp_path, caplog, monkeypatch):
+    from rpb.integrations.trl import grpo
+
+    monkeypatch.setattr(grpo, "_SAID", set())
+    with caplog.at_level("WARNING", logger="rpb.integrations.trl.grpo"):
+        bf16 = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    said = "generation runs in bfloat16 autocast, the training forwards in bfloat16 autocast"
+    assert grpo.precision(bf16) == said and said in caplog.text
+    gap = grpo_args(tmp_path, rollout_dtype="bfloat16")
+    model_dtype = "the training forwards in the model's dtype"
+    assert grpo.precision(gap) == f"generation runs in bfloat16 autocast (rollout_dtype), {model_dtype}"
+    assert grpo.precision(grpo_args(tmp_path)) == f"generation runs in the model's dtype, {model_dtype}"
+
+
+def test_an_anchor_installed_on_another_model_object_is_refused(tok, tmp_path):
+    model = build_tiny_model("qwen3_moe", len(tok), seed=0)
+    other = build_tiny_model("qwen3_moe", len(tok), seed=0)
+    anchor = install_anchor(other, anchor_config("kl-to-base"))
+    data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS])
+    with pytest.raises(ConfigError, match="anchor: installed on another model object than the one given"):
+        GRPOTrainer(model, reward, grpo_args(tmp_path), data, processing_class=tok, anchor=anchor)
+    anchor.remove()
+
+
+def test_r2_that_equals_off_says_so(tok, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="rpb.integrations.trl.grpo"):
+        trainer_for(tok, tmp_path, "sft", replay="R2")  # num_iterations 1, steps_per_generation = accumulation
+    assert "R2 equals 'off' plus one forced forward" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rpb.integrations.trl.grpo"):
+        trainer_for(tok, tmp_path, "sft", replay="R2", num_iterations=2)
+    assert "R2 equals" not in caplog.text
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_identical_routers_read_overlap_one_and_kl_zero_in_any_precision(bf16, tok, tmp_path):
+    """Learning rate 0 on DeepSeek-V3 (sigmoid scores, correction bias, groups), routers of a trained model's temper:
+    under TRL's bf16 the monitor's base reference is rounded as the live logits are, so no tie breaks apart."""
+    from rpb.monitor import attach_monitor
+
+    trainer, _ = trainer_for(tok, tmp_path, "sft", arch="moonlight", bf16=bf16, learning_rate=0.0, max_steps=2)
+    randomize_routers(trainer.model, seed=5, scale=1.0)
+    attach_monitor(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "routing/mean/topk_overlap" in h]
+    assert len(logs) == 2
+    assert all(h["routing/min/topk_overlap"] == 1.0 and h["routing/max/kl"] == 0.0 for h in logs)

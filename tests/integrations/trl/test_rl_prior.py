@@ -75,13 +75,36 @@ def capture_training(trainer):
     return seen, logits, experts, hooks
 
 
-def test_the_training_forward_reads_each_tokens_row_and_span(rl_data, tmp_path):
+def engine_without_routes(prompts, trainer):
+    """A rollout_func standing in for an engine that returns no routes (vLLM without route recording): TRL's own
+    prompt tokens, four tokens sampled by the model itself, log-probabilities reported missing (None, as vLLM
+    reports a NaN)."""
+    prompt_ids = trainer._tokenize_prompts(prompts)[0]
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            seq = trainer.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=4,
+                                         min_new_tokens=4, do_sample=True, pad_token_id=0)  # fmt: skip
+        out["prompt_ids"].append(list(ids))
+        out["completion_ids"].append(seq[0, len(ids) :].tolist())
+        out["logprobs"].append([None] * 4)
+    return out
+
+
+@pytest.mark.parametrize("path", ["generate", "rollout_func"])
+def test_the_training_forward_reads_each_tokens_row_and_span(path, rl_data, tmp_path):
+    """On every generation path (rpb's recorded generate; an engine's rollout_func that returns no routes) the
+    labels come from the tokens: an RPB run never trains without its bias."""
     trainer, handle, tok = rpb_trainer(rl_data, tmp_path)
+    if path == "rollout_func":
+        trainer.rollout_func = trainer._reading_routes(engine_without_routes)
     seen, logits, experts, hooks = capture_training(trainer)
     trainer.train()
     for h in hooks:
         h.remove()
     inputs = seen[0]
+    assert "rpb_span_ids" in inputs and "rpb_sample_index" in inputs  # labelled, whatever path made the rollouts
     P = inputs["prompt_ids"].shape[1]
     mask_BS = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1).bool()
     # the rule, written from rpb's labelling of the file: the prompt's own labels, A on the completion
@@ -110,6 +133,10 @@ def test_the_training_forward_reads_each_tokens_row_and_span(rl_data, tmp_path):
             else:  # structural and padding tokens: the router's own choice
                 assert got[t] == native[t], (pos, t)
     assert changed > 0, "beta 8 changed no selection: the check above showed nothing"
+    if path == "rollout_func":  # no routes on this path: nothing to compare them with, and none made up
+        assert "rpb_rollout_routes" not in inputs
+        handle.remove()
+        return
     # the rollouts were generated bias-free: their routes are the plain routers' own (learning rate 0)
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     own = full_forward_topk(trainer.model, trainer.replay.layers, ids, mask_BS.long())
@@ -169,4 +196,48 @@ def test_rpb_without_the_labelled_dataset_is_refused(rl_data, tmp_path):
     plain = datasets.Dataset.from_list([{"prompt": "abc"}] * 4)
     with pytest.raises(ConfigError, match=r"build the dataset with rpb\.integrations\.trl\.prepare_grpo"):
         GRPOTrainer(model, reward, grpo_args(tmp_path), plain, processing_class=tok, anchor=handle)
+    handle.remove()
+
+
+def test_scoring_and_evaluation_stay_out_of_the_monitor_and_the_bias(rl_data, tmp_path):
+    """Under RPB with R2 (TRL's old-log-prob forward and R2's own run inside the anchor's context): the monitor
+    counts the training forwards' completion tokens alone; TRL scores the generation batch in chunks of the
+    micro-batch size, the bias given chunk by chunk; evaluate() on a plain dataset (no rpb columns) routes freely:
+    no replay, no bias, no error."""
+    import datasets
+
+    from rpb.monitor import attach_monitor
+
+    trainer, handle, _ = rpb_trainer(rl_data, tmp_path, replay="R2", num_iterations=2, steps_per_generation=2,
+                                     max_steps=2, logging_steps=100)  # fmt: skip
+    callback = attach_monitor(trainer)
+    seen, _, _, hooks = capture_training(trainer)
+    forwards = []
+
+    def before(module, args, kwargs):
+        ids = kwargs["input_ids"]
+        forwards.append([ids.shape[0], torch.is_grad_enabled(), "labels" in kwargs, None, None, module.training])
+
+    def router(module, args, output):  # inside the forward: the contexts it runs under, and their size
+        ctx = handle._context
+        forwards[-1][3:5] = trainer.replay._active, None if ctx is None else ctx.num_tokens == output[0].shape[0]
+
+    hooks.append(trainer.model.register_forward_pre_hook(before, with_kwargs=True))
+    hooks.append(trainer.replay.layers[0].router.register_forward_hook(router))
+    trainer.train()
+    completion_tokens = sum(int(inputs["completion_mask"].sum()) for inputs in seen)
+    window = callback.monitor.window.tokens
+    assert window.tolist() == [float(completion_tokens)] * len(trainer.replay.layers)
+    scoring = [f for f in forwards if f[2] and not f[1]]  # TRL's scoring forwards: labels, no gradients
+    assert scoring and all(f[0] <= trainer.args.per_device_train_batch_size for f in scoring)
+    assert all(f[4] for f in scoring)  # each chunk ran under the bias's context, made for its own rows
+    rows = trainer.train_dataset.to_list()
+    for eval_rows in (rows[:4], [{"prompt": r["prompt"]} for r in rows[:4]]):  # prepared, then plain
+        forwards.clear()
+        trainer.eval_dataset = datasets.Dataset.from_list(eval_rows)
+        metrics = trainer.evaluate()
+        assert "eval_loss" in metrics and forwards
+        assert not any(f[3] or f[4] is not None for f in forwards)  # evaluation: no replay, no bias context
+    for h in hooks:
+        h.remove()
     handle.remove()

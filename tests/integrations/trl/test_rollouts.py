@@ -128,3 +128,28 @@ def test_under_r3_the_reference_model_routes_freely(tok, save_tiny, tmp_path):
     free = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
     done = inputs["completion_mask"].bool()
     torch.testing.assert_close(inputs["ref_per_token_logps"][done], free[done], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("missing", ["two", "all"])
+def test_missing_rollout_logps_are_counted_never_a_crash(missing, tok, tmp_path):
+    """vLLM reports a log-probability it does not have as NaN, which arrives as None: such a token leaves the gap
+    figures and is counted (``routing/rollout_logp_missing``); the figures stay numbers, and with none left there
+    is no figure at all (never one read from made-up values)."""
+    trainer, _ = trainer_for(tok, tmp_path, "sft", replay="R3", max_steps=1)
+    engine = engine_rollouts(trainer)
+
+    def with_gaps(prompts, trainer_):
+        out = engine(prompts, trainer_)
+        gaps = (lambda lp: [None, float("nan"), *lp[2:]]) if missing == "two" else (lambda lp: [None] * len(lp))
+        out["logprobs"] = [gaps(lp) for lp in out["logprobs"]]
+        return out
+
+    trainer.rollout_func = trainer._reading_routes(with_gaps)
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "routing/rollout_logp_missing" in h]
+    B, C = trainer.args.per_device_train_batch_size, 4  # the engine's four completion tokens a rollout
+    assert log["routing/rollout_logp_missing"] == (2 * B if missing == "two" else C * B)
+    if missing == "two":
+        assert isinstance(log["routing/rollout_logp_gap"], float) and log["routing/rollout_logp_gap"] > 0
+    else:
+        assert not any(key.startswith("routing/rollout_logp_gap") for key in log)
