@@ -361,3 +361,65 @@ def test_rpb_audit_runs_minimax_m2_whose_router_takes_the_blocks_bias(run_files,
     assert "no contradiction" in capsys.readouterr().out
     layers = json.loads((tmp_path / "audit.json").read_text())["layers"]
     assert len(layers) == 2 and all(a["grad"] > 0 and a["moved"] > 0 and a["expert_bias"] == 0 for a in layers)
+
+
+# ---- a working anchor is never called broken -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_lr_files(save_tiny, tmp_path_factory):
+    from rpb.testing.data import conversations
+
+    tmp = tmp_path_factory.mktemp("small-lr")
+    return {arch: save_tiny(arch) for arch in ("qwen3_moe", "moonlight")}, write_jsonl(
+        conversations(8, 3), tmp / "d.jsonl"
+    )
+
+
+@pytest.mark.parametrize("lr", ["1.0e-5", "1.0e-6", "1.0e-7"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "moonlight"])
+def test_a_working_kl_to_base_at_the_docs_lambda_is_no_contradiction_in_sft(arch, lr, small_lr_files, tmp_path):
+    """docs' lambda 0.1, one step from the base at a small learning rate: the anchor's gradient is a millionth of
+    the LM's or less, yet it reaches the router (the audit asks with its coefficient scaled up)."""
+    from rpb.monitor.run import run_audit
+
+    models, data = small_lr_files
+    report = run_audit(None, [f"model={models[arch]}", f"data_jsonl={data}", f"output_dir={tmp_path / 'run'}",
+                              "train.calibrate_rows=0", "train.batch_size=4", "train.max_seq_len=256",
+                              "anchor.method=kl-to-base", "anchor.lambda=0.1", f"train.lr={lr}"])  # fmt: skip
+    assert report.contradictions == [] and report.anchor_reaches
+    assert all(layer.anchor_grad > 0 for layer in report.layers)  # small, and there
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-7])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "moonlight"])
+def test_a_working_kl_to_base_at_the_docs_lambda_is_no_contradiction_in_grpo(arch, lr, tmp_path):
+    import datasets
+
+    from rpb.integrations.trl import GRPOTrainer
+    from rpb.testing.tokenizers import moonlight_tokenizer
+    from tests.integrations.trl.test_grpo import grpo_args, reward
+
+    tok = moonlight_tokenizer()
+    tok.padding_side = "left"
+    model = build_tiny_model(arch, len(tok), seed=0).train()
+    anchor = install_anchor(model, AnchorConfig(method="kl-to-base", lambda_=0.1))
+    data = datasets.Dataset.from_list([{"prompt": p} for p in ("abc def", "hello wor", "one two", "xyz")])
+    trainer = GRPOTrainer(model, reward, grpo_args(tmp_path, learning_rate=lr), data, processing_class=tok,
+                          anchor=anchor)  # fmt: skip
+    report = audit(trainer)
+    assert report.contradictions == [] and report.anchor_reaches
+    anchor.remove()
+    trainer.replay.remove()
+
+
+def test_a_detached_term_still_reaches_nothing(tmp_path, monkeypatch):
+    """The scaled run cannot make a detached term look attached: the same kl-to-base, its term cut from the graph."""
+    from rpb.anchors.handle import AnchorHandle
+
+    loss = AnchorHandle.loss
+    monkeypatch.setattr(AnchorHandle, "loss", lambda self: loss(self).detach())
+    model = build_tiny_model("qwen3_moe", 64, seed=0).train()
+    report = audit(anchored_trainer(tmp_path, model, method="kl-to-base", lambda_=0.1))
+    assert report.anchor_reaches is False
+    assert any("its loss term reached no trainable parameter's gradient" in c for c in report.contradictions)

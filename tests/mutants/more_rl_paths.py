@@ -10,6 +10,7 @@ PATHS = "tests/integrations/trl/test_generation_paths.py"
 RL_PRIOR = "tests/integrations/trl/test_rl_prior.py"
 GRPO = "tests/integrations/trl/test_grpo.py"
 ROLLOUTS = "tests/integrations/trl/test_rollouts.py"
+AUDIT = "tests/monitor/test_audit.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -105,5 +106,15 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r"elif rollout_dtype is not None and \(args\.bf16 or args\.fp16\):",
         replacement="elif False:",
         tests=(f"{GRPO}::test_rollout_dtype_under_trls_bf16_default_is_refused_in_the_config",),
+    ),
+    Mutant(
+        name="audit_reach_read_at_the_runs_own_coefficient",
+        story="whether the anchor's term reaches the gradient is read at the run's own coefficient: one small step "
+        "from the base, a working kl-to-base at lambda 0.1 is a millionth of the LM gradient and called detached",
+        path="monitor/audit.py",
+        function="_report",
+        pattern=r"reaches = significant\(p_scaled - p_no_anchor, p_full\)",
+        replacement="reaches = significant(p_full - p_no_anchor, p_full)",
+        tests=(f"{AUDIT}::test_a_working_kl_to_base_at_the_docs_lambda_is_no_contradiction_in_sft[moonlight-1.0e-6]",),
     ),
 )

@@ -191,6 +191,9 @@ def test_the_audit_is_quiet_on_correct_set_ups_and_catches_a_moved_frozen_router
     rpb = run_audit(None, [*common, f"prior={prior}", "anchor.method=rpb", "anchor.beta=4.0"])
     assert rpb.contradictions == [] and rpb.asked.router == "free"
     assert all(a.grad > 0 and a.biased > 0 for a in rpb.layers), "rpb trains the routers and biases selection"
+    # docs' kl-to-base (lambda 0.1) one small step from the base: a millionth of the LM gradient, and working
+    kl = run_audit(None, [*common, "anchor.method=kl-to-base", "anchor.lambda=0.1", "train.lr=1e-6"])
+    assert kl.contradictions == [] and kl.anchor_reaches
 
     model = load_causal_lm(str(model_dir))
     layers = find_moe_layers(model, get_adapter(model.config.model_type))

@@ -12,6 +12,10 @@ own class and settings. Per MoE layer it reports:
 * ``anchor_grad`` / ``aux_grad``: the router gradient of the anchor's loss term and of the model's native
   load-balancing loss, each found as the gradient with its coefficient minus the gradient with coefficient 0
   on the same batch, weights and random state;
+* whether the anchor's term reaches the gradient at all is read from one more run of step 2 with its coefficient
+  multiplied by ``REACH_SCALE``: a working term moves the gradient by that much more, a detached one by exactly
+  nothing. Read at the run's own coefficient, a working ``kl-to-base`` one step from the base (at lambda 0.1 and
+  a learning rate of 1e-6, a millionth of the LM gradient) could not be told from rounding;
 * ``peft``: how PEFT wraps the router (LoRA on its weight by ``target_parameters``; a ``modules_to_save`` copy);
 * ``biased``: the share of content tokens whose experts an rpb selection anchor changed.
 
@@ -47,6 +51,8 @@ __all__ = ["AUX_COEFFICIENTS", "Asked", "AuditReport", "asked_from_config", "ask
 
 #: attributes holding a native load-balancing coefficient (model heads, their configs, TRL's SFTTrainer)
 AUX_COEFFICIENTS = ("router_aux_loss_coef",)
+#: the anchor's coefficient is multiplied by this in the run that asks whether its term reaches the gradient
+REACH_SCALE = 1e6
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
@@ -76,15 +82,18 @@ def audit(trainer, asked: Asked | None = None, rows: int = 4, adapter: str | Non
         rng = _rng_state()
         kept = [(t, t.detach().clone()) for _, t in model.named_buffers()]
         kept += [(p, p.detach().clone()) for m in layers for p in (m.wrapper or m.router).parameters()]
-        for anchor_on, aux_on in ((False, False), (True, False), (False, True), (True, True)):
+        scaled = handle is not None and handle.method.loss is not None and handle.method.coefficient is not None
+        runs = ((False, False, 1.0), (True, False, 1.0), (False, True, 1.0))
+        runs += ((True, True, REACH_SCALE),) if scaled else ()
+        for anchor_on, aux_on, scale in (*runs, (True, True, 1.0)):  # the full step last: its gradients are kept
             _set_rng_state(rng)
             with torch.no_grad():
                 for t, value in kept:
                     t.copy_(value)
-            with _coefficients(run, model, handle, anchor_on, aux_on):
+            with _coefficients(run, model, handle, anchor_on, aux_on, scale):
                 loss = float(run.training_step(model, dict(batch)))
-            found[anchor_on, aux_on] = (loss, _router_grads(layers), _projection(model))
-            if not (anchor_on and aux_on):
+            found[anchor_on, aux_on, scale] = (loss, _router_grads(layers), _projection(model))
+            if not (anchor_on and aux_on and scale == 1.0):
                 _zero(model)
         stats = handle.reset_stats() if handle is not None else {}
         _step(run, model, optimizer)  # with the full step's gradients, the last computed
@@ -101,11 +110,12 @@ def audit(trainer, asked: Asked | None = None, rows: int = 4, adapter: str | Non
 
 def _report(asked, layers, handle, found, moved, bias_moved, stats) -> AuditReport:
     (lm, g_lm, _), (no_anchor, g_no_anchor, p_no_anchor), (no_aux, g_no_aux, _), (full, g_full, p_full) = (
-        found[False, False],
-        found[False, True],
-        found[True, False],
-        found[True, True],
+        found[False, False, 1.0],
+        found[False, True, 1.0],
+        found[True, False, 1.0],
+        found[True, True, 1.0],
     )
+    _, g_scaled, p_scaled = found.get((True, True, REACH_SCALE), found[True, True, 1.0])
     method = handle.method if handle is not None else None
     has_term = method is not None and method.loss is not None
     out = []
@@ -125,9 +135,12 @@ def _report(asked, layers, handle, found, moved, bias_moved, stats) -> AuditRepo
             )
         )
     loss = {"lm": lm, "anchor": full - no_anchor, "native_aux": full - no_aux}
-    reaches = significant(p_full - p_no_anchor, p_full) if has_term else None
+    # the scaled run: a term that reaches the gradient moves it REACH_SCALE times as far; a detached one, not at all
+    reaches = significant(p_scaled - p_no_anchor, p_full) if has_term else None
+    lm_grads = [float(g.norm()) for g in g_lm]
+    reach_L = [significant(float((s - n).norm()), g) for s, n, g in zip(g_scaled, g_no_anchor, lm_grads, strict=True)]
     report = AuditReport(asked, out, loss, reaches)
-    report.contradictions = contradictions(report, handle is not None, [float(g.norm()) for g in g_lm])
+    report.contradictions = contradictions(report, handle is not None, lm_grads, reach_L if has_term else None)
     return report
 
 
@@ -213,8 +226,9 @@ def _set_rng_state(state: tuple) -> None:
 
 
 @contextlib.contextmanager
-def _coefficients(run, model, handle, anchor_on: bool, aux_on: bool):
-    """The anchor's coefficient and every native load-balancing coefficient set to 0 where switched off."""
+def _coefficients(run, model, handle, anchor_on: bool, aux_on: bool, scale: float = 1.0):
+    """The anchor's coefficient and every native load-balancing coefficient set to 0 where switched off; the
+    anchor's multiplied by ``scale`` where on."""
     restore = []
     if not aux_on:
         holders = [run, *model.modules()]
@@ -226,9 +240,10 @@ def _coefficients(run, model, handle, anchor_on: bool, aux_on: bool):
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     restore.append((obj, name, value))
                     setattr(obj, name, 0.0)
-    if not anchor_on and handle is not None and handle.method.coefficient is not None:
-        config = handle.config
-        handle.config = dataclasses.replace(config, **{handle.method.coefficient: 0.0})
+    if (not anchor_on or scale != 1.0) and handle is not None and handle.method.coefficient is not None:
+        config, name = handle.config, handle.method.coefficient
+        value = getattr(config, name) * scale if anchor_on else 0.0
+        handle.config = dataclasses.replace(config, **{name: value})
         restore.append((handle, "config", config))
     try:
         yield

@@ -98,9 +98,13 @@ def _where(rows: list[LayerAudit]):
     return where
 
 
-def contradictions(report: AuditReport, anchor_installed: bool, lm_grads: list[float]) -> list[str]:
+def contradictions(
+    report: AuditReport, anchor_installed: bool, lm_grads: list[float], anchor_reach: list[bool] | None = None
+) -> list[str]:
     """Every way what happened disagrees with what was asked, one sentence each (layers grouped);
-    ``lm_grads``: each router's gradient norm from the LM loss alone, the scale its terms are read against."""
+    ``lm_grads``: each router's gradient norm from the LM loss alone, the scale its terms are read against;
+    ``anchor_reach``: per layer, whether the anchor's term moved its router's gradient (read with the coefficient
+    scaled up, ``rpb.monitor.audit``; None: from ``anchor_grad`` at the run's own coefficient)."""
     asked, rows, out = report.asked, report.layers, []
     frozen = [a for a in rows if asked.frozen_at(a.layer)]
     where = _where(frozen)  # first the layers whose router is meant frozen
@@ -131,12 +135,9 @@ def contradictions(report: AuditReport, anchor_installed: bool, lm_grads: list[f
                 "not run (installed before PEFT wrapped the router?)"
             )
         if method.loss is not None and anchor_installed:
-            free = [(a, g) for a, g in zip(rows, lm_grads, strict=True) if not asked.frozen_at(a.layer)]
-            no_router_grad = (
-                method.loss.from_forward
-                and bool(free)
-                and not any(significant(a.anchor_grad or 0.0, g) for a, g in free)
-            )
+            reach = anchor_reach or [significant(a.anchor_grad or 0.0, g) for a, g in zip(rows, lm_grads, strict=True)]
+            free = [r for a, r in zip(rows, reach, strict=True) if not asked.frozen_at(a.layer)]
+            no_router_grad = method.loss.from_forward and bool(free) and not any(free)
             if method.name == "lbl" and (report.anchor_reaches is False or no_router_grad):
                 out.append(
                     "lbl asked, but no load-balancing gradient reached the router (its term is never added "
