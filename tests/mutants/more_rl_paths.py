@@ -117,4 +117,17 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="reaches = significant(p_full - p_no_anchor, p_full)",
         tests=(f"{AUDIT}::test_a_working_kl_to_base_at_the_docs_lambda_is_no_contradiction_in_sft[moonlight-1.0e-6]",),
     ),
+    Mutant(
+        name="policy_read_by_identity_under_ddp",
+        story="the trainer's own forward is recognised by object identity: under DDP the loss sees the wrapped "
+        "model, and the log-probability gap figures vanish on more than one process",
+        path="integrations/trl/grpo.py",
+        function="GRPOTrainer._is_policy",
+        pattern=r"return model is self\.model or self\.accelerator\.unwrap_model\(model\) is self\.model",
+        replacement="return model is self.model",
+        tests=(
+            "tests/integrations/trl/test_grpo_distributed.py::"
+            "test_two_processes_replay_their_own_rows_and_log_what_one_process_logs",
+        ),
+    ),
 )

@@ -328,6 +328,11 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
             output["rpb_sample_index"] = sample_B.to(device)
             output["rpb_span_ids"] = span_BS.to(device)
 
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs:  # a training log, on every rank: the rollout figures over both ranks' tokens
+            logs.update(self.routing_figures())
+        super().log(logs, *args, **kwargs)
+
     # ---- training: the anchor's context, replay, the anchor's term ---------------------------
     def _weights_BS(self, inputs) -> torch.Tensor:
         mask_BC = inputs["completion_mask"]

@@ -31,13 +31,23 @@ from rpb.config import ConfigError
 from rpb.integrations.trl.generation import GenerationState
 from rpb.integrations.trl.rl_prior import rollout_labels
 from rpb.replay import GenerationRecorder, batch_routes, routes_from_sglang, routes_from_vllm
-from rpb.replay.mismatch import agreed_for_completion, completion_positions, differs_BSL, flip_rate_L, logp_gap
+from rpb.replay.mismatch import agreed_for_completion, completion_positions, differs_BSL, logp_gap
 from rpb.replay.routes import routed_positions
 
 logger = logging.getLogger(__name__)
 
 #: GRPOConfig.routes_format -> the reader of one rollout's engine routes
 ROUTE_READERS = {"vllm": routes_from_vllm, "sglang": routes_from_sglang}
+#: the rollout figures, each a sum over a logging window's micro-batches and ranks divided by its tokens (the
+#: flip rates by tokens x layers); ``routing/rollout_logp_missing`` is the window's count
+FIGURES = (
+    "routing/rollout_flip_rate",
+    "routing/stale_flip_rate",
+    "routing/rollout_logp_gap",
+    "routing/rollout_logp_gap_agreed",
+    "routing/rollout_logp_gap_disagreed",
+    "routing/rollout_logp_missing",
+)
 
 
 def logp_value(value) -> float:
@@ -50,6 +60,8 @@ class RolloutRoutes:
 
     _generation: GenerationState | None = None
     _said: frozenset = frozenset()
+    #: figure -> [sum, weight] over the logging window on this rank
+    _window: dict | None = None
 
     def _say_once(self, key: str, message: str) -> None:
         if key not in self._said:
@@ -172,6 +184,26 @@ class RolloutRoutes:
         return batch_routes(state.routes, prompt_mask_BP, completion_mask_BC)
 
     # ---- the mismatch figures ------------------------------------------------------------
+    def _add(self, name: str, total: float, weight: float) -> None:
+        self._window = self._window or {}
+        entry = self._window.setdefault(name, [0.0, 0.0])
+        entry[0] += total
+        entry[1] += weight
+
+    def routing_figures(self) -> dict[str, float]:
+        """The logging window's rollout figures, summed over ranks first (every rank calls it at every training
+        log, as TRL's ``log`` runs on every rank); the window restarts. A figure with no token is absent."""
+        window, self._window = self._window or {}, {}
+        flat = torch.tensor([v for name in FIGURES for v in window.get(name, (0.0, 0.0))], dtype=torch.float64)
+        if self.accelerator.num_processes > 1:
+            flat = self.accelerator.reduce(flat.to(self.accelerator.device), reduction="sum").cpu()
+        out = {}
+        for i, name in enumerate(FIGURES):
+            total, weight = float(flat[2 * i]), float(flat[2 * i + 1])
+            if weight > 0:
+                out[name] = total if name.endswith("_missing") else total / weight
+        return out
+
     def _log_mismatch(self, micro: dict) -> None:
         inputs, replayed = micro["inputs"], micro["routes"]
         if "rpb_rollout_routes" not in inputs:
@@ -183,24 +215,26 @@ class RolloutRoutes:
         if "tool_mask" in inputs:  # a tool's result is no rollout's choice: it counts in no figure
             mask_BC = mask_BC * inputs["tool_mask"]
         count_BS = completion_positions(P, mask_BC.bool()) & routed_positions(rollout)
-        metrics = self._metrics["train"]
+        tokens, L = float(count_BS.sum()), rollout.shape[2]
         first = inputs.get("rpb_first_routes")
         if micro["first_update"]:
             if first is None:  # no scoring forward ran: this one is the batch's first (the buffered dict keeps it)
                 first = inputs["rpb_first_routes"] = native
-            metrics["routing/rollout_flip_rate"].append(float(flip_rate_L(rollout, first, count_BS).nanmean()))
+            flips = float((differs_BSL(rollout, first) & count_BS[..., None]).sum())
+            self._add("routing/rollout_flip_rate", flips, tokens * L)
         elif first is not None:
-            metrics["routing/stale_flip_rate"].append(float(flip_rate_L(first, native, count_BS).nanmean()))
+            self._add("routing/stale_flip_rate", float((differs_BSL(first, native) & count_BS[..., None]).sum()),
+                      tokens * L)  # fmt: skip
         used = native if replayed is None else torch.where(replayed >= 0, replayed, native)
         agreed_BC = agreed_for_completion(differs_BSL(rollout, used) & routed_positions(rollout)[..., None], P)
         # the first update only: later ones add the policy's own change since the rollout (the importance ratio)
         if micro["first_update"] and micro.get("train_logps") is not None and "rpb_rollout_logps" in inputs:
             rollout_BC = inputs["rpb_rollout_logps"]
             seen_BC = ~torch.isnan(rollout_BC)
-            missing = int((mask_BC.bool() & ~seen_BC).sum())
-            metrics["routing/rollout_logp_missing"].append(float(missing))
+            self._add("routing/rollout_logp_missing", float((mask_BC.bool() & ~seen_BC).sum()), 1.0)
             gap = logp_gap(rollout_BC.nan_to_num(0.0), micro["train_logps"], agreed_BC, mask_BC * seen_BC)
             for name in ("all", "agreed", "disagreed"):
-                if gap[f"{name}_tokens"] and not math.isnan(gap[name]):
-                    key = "routing/rollout_logp_gap" if name == "all" else f"routing/rollout_logp_gap_{name}"
-                    metrics[key].append(gap[name])
+                n = gap[f"{name}_tokens"]
+                key = "routing/rollout_logp_gap" if name == "all" else f"routing/rollout_logp_gap_{name}"
+                if n and not math.isnan(gap[name]):
+                    self._add(key, gap[name] * n, n)

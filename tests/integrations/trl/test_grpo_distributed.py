@@ -1,0 +1,38 @@
+"""rpb's GRPOTrainer on two gloo processes (torchrun) against one process over the same rollouts: R3,
+``kl-to-base`` and the routing monitor, learning rate 0, greedy float32 generation (tests/workers/grpo_worker.py).
+Every rank replays its own rows' routes (checked against its own micro-batches by a hook of its own), and the
+logged figures, reduced over the ranks and weighted by their tokens, are the one process's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tests.test_train_distributed import TORCHRUN, run
+
+WORKER = Path(__file__).resolve().parents[2] / "workers" / "grpo_worker.py"
+
+
+def test_two_processes_replay_their_own_rows_and_log_what_one_process_logs(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    run([sys.executable, str(WORKER), str(one)])
+    run([*TORCHRUN, str(WORKER), str(two)])
+    single = json.loads((one / "rank0.json").read_text())
+    ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2] and single["world"] == 1
+    # each rank checked its own half of the rollouts' routed positions, and every one was replayed as recorded
+    assert all(r["checked"] > 0 and r["differed"] == 0 for r in ranks) and single["differed"] == 0
+    assert sum(r["checked"] for r in ranks) == single["checked"]
+    logs = [[h for h in run_["log_history"] if "loss" in h] for run_ in (single, ranks[0])]
+    assert len(logs[0]) == len(logs[1]) == 2
+    for step_one, step_two in zip(*logs, strict=True):
+        figures = {k for k in step_one if k.startswith(("routing/", "anchor/"))}
+        assert {"routing/rollout_flip_rate", "routing/mean/topk_overlap", "routing/mean/load_cv"} <= figures or (
+            "routing/stale_flip_rate" in figures
+        )
+        assert figures == {k for k in step_two if k.startswith(("routing/", "anchor/"))}
+        for key in figures:
+            assert abs(step_one[key] - step_two[key]) <= 1e-6, key
