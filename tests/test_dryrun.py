@@ -88,7 +88,7 @@ def test_a_dry_run_lists_the_prior_its_settings_and_the_rows_at_once(files, tmp_
     for line in expected:
         assert line in err, line
     assert "9 problem(s) a real run would refuse" in err
-    assert "routers_sha256" in err.splitlines()[-1]  # what the dry run did not check, said
+    assert "routers fingerprint, top-k, MoE layers and experts: checked" in err.splitlines()[-1]  # from the files
     assert "- prior: model" not in err and "- prior: routers_sha256" not in err
 
 
@@ -100,5 +100,22 @@ def test_a_clean_dry_run_says_what_it_checked_and_what_it_left_to_the_run(files,
     out = capsys.readouterr().out
     assert "command line: configuration OK (anchor.method=rpb)" in out
     assert "5 row(s) labelled, 2 cut to max_seq_len=128" in out  # the two rows built too long
-    assert "not checked without the model's weights: the prior's routers fingerprint (routers_sha256)" in out
+    assert "the prior's routers fingerprint, top-k, MoE layers and experts: checked against the model's" in out
     assert not (tmp_path / "run").exists()
+
+
+def test_a_dry_run_refuses_a_prior_made_for_another_model(files, save_tiny, tmp_path, capsys, no_model):
+    """The routers' fingerprint from the checkpoint's router tensors alone: another seed of the same architecture
+    is another model, whose prior a real run would refuse; a hub id not on this machine leaves it to the run."""
+    _, data, prior = files
+    other = save_tiny("moonlight", seed=1)
+    args = ["train", f"model={other}", f"data_jsonl={data}", f"prior={prior}", f"output_dir={tmp_path / 'run'}",
+            "--dry-run"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "- prior: model: the prior was collected on" in err and "whose routers differ from" in err
+    far = ["train", "model=some-org/not-on-this-machine", "tokenizer=" + str(files[0]), f"data_jsonl={data}",
+           f"prior={prior}", f"output_dir={tmp_path / 'run'}", "--dry-run"]  # fmt: skip
+    main(far)
+    out, err = capsys.readouterr()
+    assert "not checked without the model's weights" in out + err and "routers differ" not in out + err

@@ -17,6 +17,14 @@ def test_what_cannot_be_loaded_is_named(tmp_path):
             load(str(tmp_path / "missing"))
 
 
+@pytest.mark.parametrize("name", ["/no/such/model", "./runs/missing", "~/missing-model-folder", "runs/base/final"])
+def test_a_local_folder_that_does_not_exist_is_said_so_not_a_repo_id_form(name):
+    """transformers answers a missing local path with 'Repo id must be in the form ...': rpb says which folder."""
+    for load in (load_tokenizer, load_causal_lm, lambda p: load_base_model(p, device="cpu")):
+        with pytest.raises(ModelLoadError, match=f"no folder {name} \\(a local path; a hub id is 'org/name'\\)"):
+            load(name)
+
+
 def test_dtypes_are_one_list():
     assert {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16} == DTYPES
     assert torch_dtype("bfloat16") is torch.bfloat16

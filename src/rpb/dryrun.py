@@ -29,13 +29,19 @@ UNCHECKED = (
 MODEL_FIELDS = ("model", "routers_sha256", "top_k", "moe_layers", "num_experts")
 
 
+#: said instead, where the model's checkpoint files were at hand
+CHECKED = (
+    "  the prior's routers fingerprint, top-k, MoE layers and experts: checked against the model's checkpoint files"
+)
+
+
 class DryRunError(RpbError):
     """Everything a real ``rpb train`` of this configuration would refuse, listed at once."""
 
-    def __init__(self, source: str, problems: list[str]):
+    def __init__(self, source: str, problems: list[str], model_checked: bool = False):
         self.problems = problems
         lines = [f"{source}: {len(problems)} problem(s) a real run would refuse:", *(f"  - {p}" for p in problems)]
-        super().__init__("\n".join([*lines, UNCHECKED]))
+        super().__init__("\n".join([*lines, CHECKED if model_checked else UNCHECKED]))
 
 
 @dataclass
@@ -48,6 +54,8 @@ class DryRun:
     rows: int | None = None
     truncated_rows: int | None = None
     max_seq_len: int | None = None
+    #: the prior's model fields were checked against the model's checkpoint files
+    model_checked: bool = False
 
     def summary(self) -> str:
         lines = [f"{self.source}: configuration OK (anchor.method={self.cfg.anchor.method})"]
@@ -55,7 +63,7 @@ class DryRun:
             lines.append(f"  {self.rows} row(s) labelled, {self.truncated_rows} cut to max_seq_len={self.max_seq_len}")
         if self.cfg.prior:
             lines.append(f"  prior {self.cfg.prior}: file, values and data OK; chat template and settings match")
-        return "\n".join([*lines, UNCHECKED])
+        return "\n".join([*lines, CHECKED if self.model_checked else UNCHECKED])
 
 
 def dry_run(path: str | Path | None, overrides: list[str] = ()) -> DryRun:
@@ -77,6 +85,8 @@ def dry_run(path: str | Path | None, overrides: list[str] = ()) -> DryRun:
             report.rows, report.truncated_rows, report.max_seq_len = data.num_rows, data.truncated_rows, max_seq_len
     if tokenizer is not None and meta is not None:
         _settings(cfg, tokenizer, meta, max_seq_len, problems)
+    if meta is not None and cfg.model:
+        report.model_checked = _model_fields(cfg, meta, problems)
     for where, choice in (("train.only_experts", cfg.train.only_experts), ("lora.experts", cfg.lora.experts_from)):
         if choice:
             from rpb.experts import read_choice
@@ -86,8 +96,25 @@ def dry_run(path: str | Path | None, overrides: list[str] = ()) -> DryRun:
             except RpbError as e:
                 problems.append(f"{where}: {e}")
     if problems:
-        raise DryRunError(report.source, problems)
+        raise DryRunError(report.source, problems, report.model_checked)
     return report
+
+
+def _model_fields(cfg: RunConfig, meta: dict, problems: list[str]) -> bool:
+    """The prior's routers fingerprint, top-k, MoE layers and experts against the model's checkpoint files, where
+    they are on this machine (a folder, or a hub id in the local cache: nothing is downloaded), reading the router
+    tensors alone; False where they are not (the real run checks them once it has the model)."""
+    from rpb.artifact import ArtifactError
+    from rpb.validate import check_model, model_dir_of
+
+    try:
+        model_dir_of(cfg.model)
+    except ArtifactError:
+        return False
+    found: list[str] = []
+    check_model(meta, cfg.model, found)
+    problems += [f"prior: {p}" for p in found]
+    return True
 
 
 def _tokenizer(cfg: RunConfig, problems: list[str]):

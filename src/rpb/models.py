@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from pathlib import Path
 from typing import Literal, get_args
 
 import torch
@@ -33,10 +34,21 @@ class ModelLoadError(RpbError):
     config, unreadable files, remote code not allowed); the message is transformers' own."""
 
 
+def local_path_missing(name: str) -> bool:
+    """``name`` can only be a local folder (absolute, relative with ``.`` or ``~``, or more than ``org/name``'s one
+    slash) and there is none: transformers would answer about the hub's repo-id form instead."""
+    text = str(name)
+    local = text.startswith(("/", "./", "../", "~", ".\\")) or text.count("/") > 1 or "\\" in text
+    return local and not Path(text).expanduser().exists()
+
+
 @contextlib.contextmanager
-def _loading(what: str):
+def _loading(what: str, name: str = ""):
     """transformers raises OSError for a path or id it cannot load, ValueError for one it will not (remote
-    code without trust_remote_code, an unrecognised config): name it, keep its explanation."""
+    code without trust_remote_code, an unrecognised config): name it, keep its explanation. A local folder
+    that does not exist is said so first."""
+    if name and local_path_missing(name):
+        raise ModelLoadError(f"cannot load {what}: no folder {name} (a local path; a hub id is 'org/name')")
     try:
         yield
     except (OSError, ValueError) as e:
@@ -109,7 +121,7 @@ def load_base_model(
 
     dt = torch_dtype(dtype)
     register_model_aliases()
-    with _loading(f"model {model_id!r}"):
+    with _loading(f"model {model_id!r}", model_id):
         config = AutoConfig.from_pretrained(model_id, trust_remote_code=False)
     facts = get_adapter(adapter or config.model_type)  # fail on unsupported families before loading weights
     _check_loadable(model_id, config, facts, resolve_device(device))
@@ -139,7 +151,7 @@ def load_causal_lm(model_id: str, dtype: str = "float32", experts_implementation
         kernel = {"experts_implementation": experts_implementation}
 
     register_model_aliases()
-    with _loading(f"model {model_id!r}"):
+    with _loading(f"model {model_id!r}", model_id):
         config = AutoConfig.from_pretrained(model_id, trust_remote_code=False)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     _check_loadable(model_id, config, ADAPTERS.get(config.model_type), device)
@@ -154,7 +166,7 @@ def load_tokenizer(tokenizer_id: str, trust_remote_code: bool = False):
 
     if trust_remote_code:
         remote_tokenizer_imports()
-    with _loading(f"tokenizer {tokenizer_id!r}"):
+    with _loading(f"tokenizer {tokenizer_id!r}", tokenizer_id):
         return AutoTokenizer.from_pretrained(tokenizer_id, trust_remote_code=trust_remote_code)
 
 

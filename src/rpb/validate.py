@@ -101,7 +101,7 @@ def _check_data(art, meta: dict, data_jsonl: Path, problems: list[str]) -> None:
         problems.append(f"data: {gone} collected row(s) are no longer in the file")
 
 
-def _model_dir(expected_model: str) -> Path:
+def model_dir_of(expected_model: str) -> Path:
     """A checkpoint directory, or a hub id already in the local Hugging Face cache (nothing is downloaded)."""
     if Path(expected_model).is_dir():
         return Path(expected_model)
@@ -118,11 +118,13 @@ def _model_dir(expected_model: str) -> Path:
         ) from None
 
 
-def _check_model(meta: dict, expected_model: str, problems: list[str]) -> None:
+def check_model(meta: dict, expected_model: str, problems: list[str]) -> None:
+    """The prior's model fields (routers fingerprint, top-k, MoE layers, experts) against the checkpoint's files:
+    its router tensors alone, memory-mapped; the model is never loaded."""
     from transformers import AutoConfig
 
     try:
-        model_dir = _model_dir(expected_model)
+        model_dir = model_dir_of(expected_model)
         register_model_aliases()
         model_type = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False).model_type
         # routed with another family's facts at collection (--adapter)? the same model is, here too
@@ -166,7 +168,7 @@ def validate_artifact(
     if data_jsonl is not None:
         _check_data(art, meta, Path(data_jsonl), problems)
     if expected_model is not None:
-        _check_model(meta, expected_model, problems)
+        check_model(meta, expected_model, problems)
     if expected_template_kwargs is not None and meta.get("chat_template_kwargs") != expected_template_kwargs:
         problems.append(
             f"chat_template_kwargs: the prior was collected with {meta.get('chat_template_kwargs')!r}, "

@@ -56,3 +56,26 @@ def test_rpb_retention_revert_routers_writes_its_report(replica, tmp_path, capsy
     out = capsys.readouterr().out
     assert code == 0 and "math (trained): answer NLL post" in out and "other: answer NLL post" in out
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"report.json", "report.md", "revert.png"}
+
+
+def test_every_missing_domain_file_is_named_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    import rpb.retention.revert_run as revert_run
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model or tokenizer was loaded before the data files were checked")
+
+    monkeypatch.setattr(revert_run, "load_tokenizer", no_loading)
+    monkeypatch.setattr(revert_run, "load_pair", no_loading)
+    present = tmp_path / "d.jsonl"
+    present.write_text("")
+    code_file, text_file = tmp_path / "code.jsonl", tmp_path / "text.jsonl"
+    code = main(["retention", "--base", "b", "--post", "p", "--data-jsonl", str(tmp_path / "routing.jsonl"),
+                 "--out", str(tmp_path / "out"), "--revert-routers", "--domain", f"math={present}",
+                 "--domain", f"code={code_file}", "--domain", f"text={text_file}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    for line in (f"--domain code={tmp_path / 'code.jsonl'}: no such file",
+                 f"--domain text={tmp_path / 'text.jsonl'}: no such file",
+                 f"--data-jsonl {tmp_path / 'routing.jsonl'}: no such file"):  # fmt: skip
+        assert line in err
+    assert f"math={present}" not in err

@@ -275,3 +275,13 @@ def test_a_bare_monitor_reads_its_setting_else_the_familys(caplog):
         assert RoutingMonitor(model, MonitorConfig(router_transform="softmax"), anchor=handle).transform == "softmax"
     assert "KL read as softmax, while the anchor's kl-to-base reads sigmoid-normalized" in caplog.text
     handle.remove()
+
+
+def test_a_kl_below_zero_by_rounding_is_zero():
+    """The KL summed in floating point can land a hair below 0 (-4.1e-9 was logged): a KL never is."""
+    from rpb.monitor.routing import layer_figures
+
+    tokens_L = torch.tensor([10.0, 10.0], dtype=torch.float64)
+    figures = layer_figures(tokens_L, tokens_L, torch.tensor([-4.1e-8, 3e-3], dtype=torch.float64),
+                            torch.ones((2, 4), dtype=torch.float64))  # fmt: skip
+    assert figures["kl"][0] == 0.0 and figures["kl"][1] == pytest.approx(3e-4)

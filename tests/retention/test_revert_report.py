@@ -47,3 +47,11 @@ def test_the_page_holds_every_set_and_says_which_is_trained(tmp_path):
     assert "Exact match" not in plain and "Reverse" not in plain and "shared-expert gates left alone" in plain
     write_revert(_report(False, False), tmp_path)
     assert (tmp_path / "revert.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "report.md").is_file()
+
+
+def test_small_differences_print_in_scientific_notation_never_as_minus_zero():
+    from rpb.retention.revert_report import interval, signed
+
+    assert signed(-1.2e-5) == "-1.20e-05" and signed(0.0) == "+0.0000" and signed(0.0512) == "+0.0512"
+    assert interval({"estimate": -1.2e-5, "ci": [-3.4e-5, 8.0e-6]}) == "-1.20e-05 [-3.40e-05, +8.00e-06]"
+    assert interval({"estimate": 0.05, "ci": [0.0347, 0.0662]}) == "+0.0500 [+0.0347, +0.0662]"

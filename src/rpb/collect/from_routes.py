@@ -34,6 +34,7 @@ from rpb.collect.rows import label_range
 from rpb.collect.store import WorkDir
 from rpb.data import Example
 from rpb.data.jsonl import file_sha256
+from rpb.data.tokens import first_difference
 from rpb.errors import ArgumentError
 from rpb.models import config_sha256, load_tokenizer
 from rpb.prior import NUM_SPANS, selection_sums, span_counts
@@ -60,11 +61,10 @@ def row_routes(
     columns after the top-k, dropped)."""
     name = row_name(example.index, data_file)
     sent = routes.tokens(example.index)
-    if sent != list(example.input_ids):
-        at = next((i for i, (a, b) in enumerate(zip(sent, example.input_ids, strict=False)) if a != b), None)
+    if (at := first_difference(sent, list(example.input_ids))) is not None:
         where = (
             f"first differing position {at}: the engine saw {sent[at]}, rpb's labelling has {example.input_ids[at]}"
-            if at is not None
+            if at < min(len(sent), len(example.input_ids))
             else f"the engine saw {len(sent)} tokens, rpb's labelling makes {len(example.input_ids)}"
         )
         return None, [f"{name}: the route file's tokens are not rpb's labelling of the row ({where})"]

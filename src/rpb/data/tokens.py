@@ -112,3 +112,12 @@ def tokenize_labelled(
 
 def as_tensors(ids: list[int], labels: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
+
+
+def first_difference(ids: list[int], labelled: list[int]) -> int | None:
+    """The first position where ``ids`` (what another tool tokenized: TRL's prompt, an engine's request) and rpb's
+    labelling of the row differ, a length difference included (the shorter one's end); None where they are equal."""
+    at = next((i for i, (a, b) in enumerate(zip(ids, labelled, strict=False)) if a != b), None)
+    if at is None and len(ids) != len(labelled):
+        at = min(len(ids), len(labelled))
+    return at

@@ -322,7 +322,7 @@ def layer_figures(tokens_L, overlap_L, kl_L, counts_LE) -> dict[str, torch.Tenso
     entropy_L = -(shares_LE * shares_LE.clamp_min(1e-300).log()).sum(-1) / math.log(E)
     return {
         "topk_overlap": overlap_L / tokens_L,
-        "kl": kl_L / tokens_L,
+        "kl": (kl_L / tokens_L).clamp(min=0.0),  # a KL is never negative: below 0 is the sum's rounding
         "load_cv": counts_LE.std(-1, unbiased=False) / mean_L,
         "max_share": shares_LE.max(-1).values,
         "dead_fraction": (counts_LE == 0).double().mean(-1),

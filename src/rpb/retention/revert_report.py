@@ -15,6 +15,17 @@ from rpb.fileio import write_text_atomic
 LEVEL = 0.95
 
 
+def signed(x: float) -> str:
+    """A signed figure: four decimals, or scientific notation where four decimals would read 0 (a ΔNLL of 1e-5
+    is not -0.0000)."""
+    return f"{x:+.4f}" if x == 0 or abs(x) >= 5e-5 else f"{x:+.2e}"
+
+
+def interval(d: dict) -> str:
+    """``estimate [low, high]``, each ``signed``."""
+    return f"{signed(d['estimate'])} [{signed(d['ci'][0])}, {signed(d['ci'][1])}]"
+
+
 def delta_interval(after: list[float], before: list[float], resamples: int = 2000, seed: int = 0) -> dict:
     """The mean over rows of ``after - before`` (paired: the same rows) and its percentile bootstrap interval over
     rows (scipy's, ``resamples`` draws seeded by ``seed``)."""
@@ -62,7 +73,7 @@ def markdown(report: dict, image: str | None) -> str:
     for name, e in report["sets"].items():
         v = e["variants"]
         d = e.get("delta_nll")
-        delta = f"{d['estimate']:+.4f} [{d['ci'][0]:+.4f}, {d['ci'][1]:+.4f}]" if d else "—"
+        delta = interval(d) if d else "—"
         label = f"{name} (trained)" if name == report["training_domain"] else name
         lines.append(
             f"| {label} | {e['rows']} | "
@@ -90,7 +101,7 @@ def markdown(report: dict, image: str | None) -> str:
         lines += ["", "Reverse (the base with the post model's routers), ΔNLL = base+post routers − base:", ""]
         for name in report["sets"]:
             d = report["sets"][name]["delta_nll_reverse"]
-            lines.append(f"- {name}: {d['estimate']:+.4f} [{d['ci'][0]:+.4f}, {d['ci'][1]:+.4f}]")
+            lines.append(f"- {name}: {interval(d)}")
     lines += [
         "",
         "A revert is an intervention on a model whose experts co-adapted with its routing, not a counterfactual "

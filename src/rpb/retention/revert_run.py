@@ -115,10 +115,14 @@ def run_revert(
 
     if not domains:
         raise ArgumentError("the revert needs at least one domain (the first: the training domain)")
-    tok = load_tokenizer(tokenizer or base)
     sets = {name: Path(path) for name, path in domains.items()}
     if data_jsonl is not None:
         sets[ROUTING] = Path(data_jsonl)
+    missing = [f"--domain {n}={p}: no such file" if n != ROUTING else f"--data-jsonl {p}: no such file"
+               for n, p in sets.items() if not p.is_file()]  # fmt: skip
+    if missing:  # every one at once, before any model or tokenizer loads
+        raise ArgumentError("the revert's data files:\n  " + "\n  ".join(missing))
+    tok = load_tokenizer(tokenizer or base)
     labelled = {n: load_labelled(p, tok, max_seq_len, chat_template_kwargs) for n, p in sets.items()}  # every bad row
     pair = load_pair(base, post, dtype, device, shared_gates, adapter)
     names, pad = variants(reverse), pad_id_of(tok)

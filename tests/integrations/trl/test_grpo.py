@@ -372,3 +372,35 @@ def test_identical_routers_read_overlap_one_and_kl_zero_in_any_precision(bf16, t
     logs = [h for h in trainer.state.log_history if "routing/mean/topk_overlap" in h]
     assert len(logs) == 2
     assert all(h["routing/min/topk_overlap"] == 1.0 and h["routing/max/kl"] == 0.0 for h in logs)
+
+
+def test_the_forced_r2_forward_gets_every_field_trls_forward_takes(tok, tmp_path, monkeypatch):
+    """A vision-language batch carries its images beside the tokens (pixel_values, image_grid_thw, token_type_ids,
+    ...): R2's forced first forward must see them as TRL's own forwards do, or its routes and old log-probabilities
+    come from a text-only forward. The fields are planted in TRL's batch dict; the test's own wrapper of TRL's
+    forward records what each call was handed (and keeps them from this text-only model)."""
+    import trl
+
+    trainer, _ = trainer_for(tok, tmp_path, "sft", replay="R2", num_iterations=2, gradient_accumulation_steps=2,
+                             steps_per_generation=1, max_steps=1)  # fmt: skip
+    assert not trainer._trl_scores_old_logps()  # so rpb forces R2's first forward itself
+    generate, forward, handed = (trl.GRPOTrainer._generate_and_score_completions,
+                                 trl.GRPOTrainer._get_per_token_logps_and_entropies, [])  # fmt: skip
+
+    def with_images(self, inputs):
+        out = generate(self, inputs)
+        B = out["prompt_ids"].shape[0]
+        out["token_type_ids"] = torch.zeros_like(torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1))
+        out["image_grid_thw"] = torch.ones((B, 3), dtype=torch.long)
+        return out
+
+    def recording(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
+        handed.append({k for k, v in kw.items() if v is not None and k in ("token_type_ids", "image_grid_thw")})
+        kw = {k: v for k, v in kw.items() if k not in ("token_type_ids", "image_grid_thw")}
+        return forward(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_and_score_completions", with_images)
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", recording)
+    trainer.train()
+    assert handed and handed[0] == {"token_type_ids", "image_grid_thw"}  # the forced forward, first of all
+    assert all(h == {"token_type_ids", "image_grid_thw"} for h in handed)  # and every training forward after it

@@ -241,3 +241,44 @@ def test_scoring_and_evaluation_stay_out_of_the_monitor_and_the_bias(rl_data, tm
     for h in hooks:
         h.remove()
     handle.remove()
+
+
+def test_the_reward_receives_each_rows_reference_answer_and_own_fields(rl_data, tmp_path):
+    """TRL hands every column but the prompt to the reward functions: prepare_grpo keeps the row's reference
+    answer (``reference_answer``) and its other fields, each with its own rollout's row."""
+    model_dir, data, _ = rl_data
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    with_fields = tmp_path / "fields.jsonl"
+    with_fields.write_text("".join(json.dumps({**r, "level": i % 3, "source": f"s{i}"}) + "\n" for i, r in
+                                   enumerate(rows)))  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir).train()
+    tok = load_tokenizer(str(model_dir))
+    tok.padding_side = "left"
+    handle, dataset = prepare_grpo(model, tok, str(with_fields), AnchorConfig(method="sft"), max_seq_len=MAX_LEN)
+    assert dataset[2]["reference_answer"] == rows[2]["messages"][-1]["content"] and dataset[2]["level"] == 2
+    received = []
+
+    def reward_seeing(completions, **kwargs):
+        received.extend(zip(kwargs["reference_answer"], kwargs["level"], kwargs["source"], kwargs["prompts"],
+                            strict=True))  # fmt: skip
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(model, reward_seeing, grpo_args(tmp_path, max_steps=1), dataset, processing_class=tok,
+                          anchor=handle)  # fmt: skip
+    trainer.train()
+    assert received
+    for answer, level, source, prompt in received:
+        i = int(source[1:])
+        assert (answer, level, prompt) == (rows[i]["messages"][-1]["content"], i % 3, rows[i]["messages"][:-1])
+    handle.remove()
+
+
+def test_a_row_field_named_as_a_column_is_refused(rl_data, tmp_path):
+    model_dir, data, _ = rl_data
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[1]["prompt"] = "mine"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: \[prompt\] a row's own field named as a column"):
+        prepare_grpo(model, load_tokenizer(str(model_dir)), str(bad), AnchorConfig(method="sft"), max_seq_len=MAX_LEN)

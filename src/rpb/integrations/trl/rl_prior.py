@@ -22,18 +22,27 @@ Shape legend: B = rollouts, P / C = the padded prompt / completion lengths.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import datasets
 import torch
 
 from rpb.anchors import AnchorConfig, AnchorHandle
 from rpb.config import ConfigError
-from rpb.data.jsonl import MessagesRow, read_jsonl
+from rpb.data.jsonl import MessagesRow, parse_object, read_jsonl, split_lines
+from rpb.data.tokens import first_difference
 from rpb.integrations.trl.sft import prepare
 from rpb.prior import STRUCTURAL
 
 A_SPAN = 1
 #: the dataset columns rpb adds beside TRL's ``prompt`` (an RPB run's GRPOTrainer asks for them)
 PREPARED_COLUMNS = ("rpb_sample_index", "rpb_input_ids", "rpb_span_ids")
+#: the column holding each row's reference answer (its last assistant message, or its ``output``): TRL hands
+#: every column but ``prompt`` to the reward functions as a keyword argument
+REFERENCE_COLUMN = "reference_answer"
+#: a row's own fields that cannot become columns: rpb's and TRL's own, and the row's text itself
+_TAKEN = {"prompt", REFERENCE_COLUMN, *PREPARED_COLUMNS}
+_ROW_TEXT = {"messages", "input", "output"}
 
 
 def prepare_grpo(
@@ -41,12 +50,22 @@ def prepare_grpo(
 ) -> tuple[AnchorHandle, datasets.Dataset]:
     """Label the prompts file, check the prior against it and the model (``rpb train``'s errors), install the
     anchor; returns ``(handle, dataset)`` for ``GRPOTrainer(..., train_dataset=dataset, anchor=handle)``: TRL's
-    ``prompt`` column and, per row, its sample index and rpb's tokens and span labels. ``options``: ``prepare``'s
+    ``prompt`` column; the row's reference answer (``reference_answer``) and every other field of the row under
+    its own name, which TRL hands to the reward functions; and, per row, its sample index and rpb's tokens and
+    span labels. ``options``: ``prepare``'s
     keyword arguments (``max_seq_len``, ``model_id``, ``chat_template_kwargs``)."""
     handle, labelled = prepare(model, tokenizer, data_jsonl, anchor, prior, **options)
     rows, _ = read_jsonl(data_jsonl)  # prepare has refused every bad row already
+    raw = [parse_object(line) for line in split_lines(Path(data_jsonl).read_bytes())]
     problems, records = [], []
-    for example, row in zip(labelled.examples, rows, strict=True):
+    for example, row, obj in zip(labelled.examples, rows, raw, strict=True):
+        extra = {k: v for k, v in obj.items() if k not in _ROW_TEXT}
+        if taken := sorted(_TAKEN & set(extra)):
+            problems.append(
+                f"{data_jsonl}:{example.index + 1}: [{taken[0]}] a row's own field named as a column rpb or TRL "
+                f"adds ({', '.join(taken)}): rename it"
+            )
+            continue
         if isinstance(row, MessagesRow):
             last = max((i for i, m in enumerate(row.messages) if m["role"] == "assistant"), default=None)
             if last is None or last != len(row.messages) - 1:
@@ -55,12 +74,14 @@ def prepare_grpo(
                     "assistant's reference answer (the completion's prior is its A span)"
                 )
                 continue
-            prompt = [dict(m) for m in row.messages[:last]]
+            prompt, reference = [dict(m) for m in row.messages[:last]], row.messages[last]["content"]
         else:
-            prompt = row.input
+            prompt, reference = row.input, row.output
         records.append(
             {
+                **extra,
                 "prompt": prompt,
+                REFERENCE_COLUMN: reference,
                 "rpb_sample_index": example.index,
                 "rpb_input_ids": example.input_ids,
                 "rpb_span_ids": example.span_ids,
@@ -85,9 +106,9 @@ def rollout_labels(
     out, problems = [], []
     for b, (row, p, c) in enumerate(zip(rows, prompt_ids, completion_ids, strict=True)):
         ids, spans = row["rpb_input_ids"], row["rpb_span_ids"]
-        differs = next((i for i, (x, y) in enumerate(zip(p, ids, strict=False)) if x != y), None)
-        if differs is None and len(p) > len(ids):
-            differs = len(ids)
+        differs = first_difference(p, list(ids))
+        if differs is not None and differs == len(p) < len(ids):
+            differs = None  # the prompt is a prefix of its row: the row goes on with the reference answer
         if differs is not None:
             problems.append(
                 f"rollout {b} (row {row['rpb_sample_index']}): TRL's prompt token {differs} is "
