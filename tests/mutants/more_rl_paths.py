@@ -11,6 +11,7 @@ RL_PRIOR = "tests/integrations/trl/test_rl_prior.py"
 GRPO = "tests/integrations/trl/test_grpo.py"
 ROLLOUTS = "tests/integrations/trl/test_rollouts.py"
 AUDIT = "tests/monitor/test_audit.py"
+DRY = "tests/test_dryrun.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -128,6 +129,114 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(
             "tests/integrations/trl/test_grpo_distributed.py::"
             "test_two_processes_replay_their_own_rows_and_log_what_one_process_logs",
+        ),
+    ),
+    Mutant(
+        name="recording_copied_to_the_host_at_every_router_call",
+        story="every router call's ids are copied to the host as they are recorded: a blocking transfer per layer "
+        "and step of generation on a GPU, replay off included",
+        path="replay/record.py",
+        function="GenerationRecorder._on_router",
+        pattern=r"\[:, start - offset :\]\.to\(dtype\)",
+        replacement="[:, start - offset :].to(dtype).cpu()",
+        tests=(f"{RECORD}::test_recording_stays_on_the_device_until_it_is_read",),
+    ),
+    Mutant(
+        name="reference_answer_dropped",
+        story="prepare_grpo keeps only its own columns: the reward function never receives the row's reference answer",
+        path="integrations/trl/rl_prior.py",
+        function="prepare_grpo",
+        pattern=r"                REFERENCE_COLUMN: reference,\n",
+        replacement="",
+        tests=(f"{RL_PRIOR}::test_the_reward_receives_each_rows_reference_answer_and_own_fields",),
+    ),
+    Mutant(
+        name="anchor_term_not_logged_in_grpo",
+        story="the anchor's term goes into GRPO's loss but never into its logs: a user cannot see what it adds",
+        path="integrations/trl/grpo.py",
+        function="GRPOTrainer._compute_loss",
+        pattern=r"\[f\"anchor/\{self\.anchor\.method\.name\}\"\]\.append",
+        replacement='["anchor"].append',
+        tests=(f"{GRPO}::test_every_anchor_with_every_replay_mode_trains_three_steps[kl-to-base-off]",),
+    ),
+    Mutant(
+        name="anchor_on_another_model_accepted",
+        story="an anchor installed on another model object than the trainer's is taken as it is: its hooks sit on "
+        "routers that never run",
+        path="integrations/trl/grpo.py",
+        function="trainer_problems",
+        pattern=r"if anchor is not None and anchor\.model is not model:",
+        replacement="if False:",
+        tests=(f"{GRPO}::test_an_anchor_installed_on_another_model_object_is_refused",),
+    ),
+    Mutant(
+        name="r2_equal_to_off_unsaid",
+        story="R2 in a configuration where no batch is trained after the policy moved runs without a word: the user "
+        "pays a forward for nothing",
+        path="integrations/trl/grpo.py",
+        function="GRPOTrainer.__init__",
+        pattern=r"if self\.replay_mode == \"R2\" and trained_unmoved:",
+        replacement="if False:",
+        tests=(f"{GRPO}::test_r2_that_equals_off_says_so",),
+    ),
+    Mutant(
+        name="forced_r2_forward_text_only",
+        story="R2's forced first forward is handed the tokens alone: a vision-language model's routes and old log-"
+        "probabilities come from a text-only forward",
+        path="integrations/trl/grpo.py",
+        function="GRPOTrainer._generate_and_score_completions",
+        pattern=r"                        \*\*fields,\n",
+        replacement="",
+        tests=(f"{GRPO}::test_the_forced_r2_forward_gets_every_field_trls_forward_takes",),
+    ),
+    Mutant(
+        name="missing_local_folder_read_as_a_repo_id",
+        story="a local model folder that does not exist goes to the hub client, which answers about the repo-id form",
+        path="models.py",
+        function="_loading",
+        pattern=r"if name and local_path_missing\(name\):",
+        replacement="if False:",
+        tests=(
+            "tests/test_models.py::test_a_local_folder_that_does_not_exist_is_said_so_not_a_repo_id_form[runs/base/final]",
+        ),
+    ),
+    Mutant(
+        name="revert_data_files_checked_after_loading",
+        story="the revert's data files are read one by one after the tokenizer and models load: a missing one is a "
+        "traceback, the others unnamed",
+        path="retention/revert_run.py",
+        function="run_revert",
+        pattern=r"    if missing:  # every one at once",
+        replacement="    if False:  # every one at once",
+        tests=("tests/cli/test_retention.py::test_every_missing_domain_file_is_named_before_any_model_loads",),
+    ),
+    Mutant(
+        name="dry_run_leaves_the_fingerprint_unchecked",
+        story="--dry-run passes a prior made for another model although the checkpoint's router tensors are on disk",
+        path="dryrun.py",
+        function="dry_run",
+        pattern=r"report\.model_checked = _model_fields\(cfg, meta, problems\)",
+        replacement="report.model_checked = False",
+        tests=(f"{DRY}::test_a_dry_run_refuses_a_prior_made_for_another_model",),
+    ),
+    Mutant(
+        name="monitor_kl_below_zero_logged",
+        story="the monitor's KL, summed in floating point, is logged a hair below zero",
+        path="monitor/routing.py",
+        function="layer_figures",
+        pattern=r"\(kl_L / tokens_L\)\.clamp\(min=0\.0\)",
+        replacement="(kl_L / tokens_L)",
+        tests=("tests/monitor/test_routing.py::test_a_kl_below_zero_by_rounding_is_zero",),
+    ),
+    Mutant(
+        name="small_delta_printed_as_minus_zero",
+        story="a difference of 1e-5 prints as -0.0000 [-0.0000, +0.0000]",
+        path="retention/revert_report.py",
+        function="signed",
+        pattern=r"abs\(x\) >= 5e-5",
+        replacement="True",
+        tests=(
+            "tests/retention/test_revert_report.py::test_small_differences_print_in_scientific_notation_never_as_minus_zero",
         ),
     ),
 )

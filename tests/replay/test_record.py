@@ -232,3 +232,20 @@ def test_routes_alone_take_no_log_softmax():
     assert rec.routes_BSLK.shape[:2] == ids_BP.shape
     with pytest.raises(ArgumentError, match="nothing was recorded"):
         rec.logps(ids_BP)
+
+
+def test_recording_stays_on_the_device_until_it_is_read(monkeypatch):
+    """No copy to the host at any router call or step of generation: the routes and log-probabilities leave the
+    device once each, when read (a CPU run cannot see a device, so the test counts the copies asked for)."""
+    model = build_tiny_model("qwen3_moe", VOCAB, seed=0)
+    ids_BP, mask_BP = prompts()
+    copies = []
+    cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(tuple(self.shape)) or cpu(self))
+    with GenerationRecorder(model, layers_of(model)) as rec:
+        seqs = model.generate(input_ids=ids_BP, attention_mask=mask_BP, max_new_tokens=NEW, min_new_tokens=NEW,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+    during = list(copies)
+    routes, logps = rec.routes_BSLK, rec.logps(seqs, prompt_len=ids_BP.shape[1])
+    assert during == [] and len(copies) == 2  # one transfer each, when read
+    assert routes.shape[1] == ids_BP.shape[1] + NEW - 1 and logps.shape == (len(LENGTHS), NEW)

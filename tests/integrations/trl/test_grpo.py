@@ -60,6 +60,8 @@ def test_every_anchor_with_every_replay_mode_trains_three_steps(method, replay, 
     assert not any("aux_loss" in h for h in logs)  # TRL's own term never ran
     assert any("routing/rollout_flip_rate" in h for h in logs)
     assert any("routing/stale_flip_rate" in h for h in logs)  # num_iterations=2: a later update of each batch
+    if anchor.method.loss is not None:  # the anchor's term in GRPO's logs, as in SFT's
+        assert all(f"anchor/{method}" in h for h in logs)
     if method == "router-freeze":
         assert all(not m.router.weight.requires_grad for m in trainer.replay.layers)
     anchor.remove()

@@ -255,6 +255,7 @@ def test_the_reward_receives_each_rows_reference_answer_and_own_fields(rl_data, 
     tok = load_tokenizer(str(model_dir))
     tok.padding_side = "left"
     handle, dataset = prepare_grpo(model, tok, str(with_fields), AnchorConfig(method="sft"), max_seq_len=MAX_LEN)
+    assert {"reference_answer", "level", "source"} <= set(dataset.column_names)
     assert dataset[2]["reference_answer"] == rows[2]["messages"][-1]["content"] and dataset[2]["level"] == 2
     received = []
 

@@ -216,11 +216,8 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
             self.rollout_func = self._reading_routes(self.rollout_func)
         self._generation: GenerationState | None = None
         self._micro: dict | None = None
-        if (
-            self.replay_mode == "R2"
-            and self.num_iterations == 1
-            and args.steps_per_generation <= (args.gradient_accumulation_steps)
-        ):
+        trained_unmoved = self.num_iterations == 1 and args.steps_per_generation <= args.gradient_accumulation_steps
+        if self.replay_mode == "R2" and trained_unmoved:
             logger.warning(
                 "rpb GRPO: replay='R2' with num_iterations=1 and steps_per_generation (%d) <= "
                 "gradient_accumulation_steps (%d): every micro-batch is trained before the policy moves, so the "
