@@ -118,8 +118,8 @@ def run_revert(
     sets = {name: Path(path) for name, path in domains.items()}
     if data_jsonl is not None:
         sets[ROUTING] = Path(data_jsonl)
-    missing = [f"--domain {n}={p}: no such file" if n != ROUTING else f"--data-jsonl {p}: no such file"
-               for n, p in sets.items() if not p.is_file()]  # fmt: skip
+    option = {n: f"--domain {n}={p}" for n, p in sets.items()} | {ROUTING: f"--data-jsonl {sets.get(ROUTING)}"}
+    missing = [f"{option[n]}: no such file" for n, p in sets.items() if not p.is_file()]
     if missing:  # every one at once, before any model or tokenizer loads
         raise ArgumentError("the revert's data files:\n  " + "\n  ".join(missing))
     tok = load_tokenizer(tokenizer or base)

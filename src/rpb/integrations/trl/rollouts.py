@@ -223,8 +223,8 @@ class RolloutRoutes:
             flips = float((differs_BSL(rollout, first) & count_BS[..., None]).sum())
             self._add("routing/rollout_flip_rate", flips, tokens * L)
         elif first is not None:
-            self._add("routing/stale_flip_rate", float((differs_BSL(first, native) & count_BS[..., None]).sum()),
-                      tokens * L)  # fmt: skip
+            stale = float((differs_BSL(first, native) & count_BS[..., None]).sum())
+            self._add("routing/stale_flip_rate", stale, tokens * L)
         used = native if replayed is None else torch.where(replayed >= 0, replayed, native)
         agreed_BC = agreed_for_completion(differs_BSL(rollout, used) & routed_positions(rollout)[..., None], P)
         # the first update only: later ones add the policy's own change since the rollout (the importance ratio)
