@@ -43,8 +43,9 @@ docs: venv
 	@# NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build, not a finding
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(abspath $(VENV))/site
 
+# two xdist workers (the cores here), one torch thread each (tests/conftest.py); a module's tests share a worker
 test: venv lint docs
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # every mutant of tests/mutants/catalogue.py against the tests that must catch it (docs/testing.md)
 mutants: venv

@@ -7,12 +7,22 @@ import os
 # nothing is downloaded at run time: a hub id the tests name (as the README does) must fail at once,
 # not after the hub client's network retries (read when huggingface_hub is first imported, so first)
 os.environ["HF_HUB_OFFLINE"] = "1"
+# under pytest-xdist (`make test` runs two workers on two cores) each worker computes at one thread, its
+# subprocesses too, and keeps a toy-world cache of its own: two workers never write one cache entry at once
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import tempfile
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["RPB_CACHE"] = tempfile.mkdtemp(prefix=f"rpb-cache-{os.environ['PYTEST_XDIST_WORKER']}-")
 
 import json
 from pathlib import Path
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 from rpb.testing.models import build_tiny_model
 from rpb.testing.tokenizers import moonlight_tokenizer
