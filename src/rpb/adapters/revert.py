@@ -39,7 +39,8 @@ def put_routers(
     shared_gates: bool = False,
 ) -> list[str]:
     """Copy every MoE router of ``source`` into ``into`` (both of ``facts``' family), in place; returns the names
-    of the tensors copied (``<router module>.<tensor>``, a shared-expert gate's ``<block>.<gate>.weight``).
+    of the tensors copied, as ``into``'s state dict names them (``<router module>.<tensor>``; a tensor the MoE
+    block holds, MiniMax-M2's expert-correction bias or a shared-expert gate's weight, ``<block>.<tensor>``).
     Refused before anything is copied, every difference named: other MoE layers, a tensor one of them lacks,
     other shapes. ``names``: what the messages call the two models; ``shared_gates``: the blocks' shared-expert
     gates too."""
@@ -63,7 +64,10 @@ def put_routers(
                     f"{list(theirs[name].shape)} in the {names[1]} model"
                 )
             else:
-                owner = d.name.rpartition(".")[0] if name.startswith(f"{facts.shared_gate}.") else d.name
+                on_block = name.startswith(f"{facts.shared_gate}.") or (
+                    facts.expert_bias_on_block and name == facts.expert_bias
+                )
+                owner = d.name.rpartition(".")[0] if on_block else d.name
                 pairs.append((f"{owner}.{name}", t, theirs[name]))
     if problems:
         raise ArgumentError(

@@ -240,7 +240,7 @@ def test_trl_config_left_unset_gets_zero_and_says_so_once(setup, tmp_path, caplo
         anchored(setup, "qwen3_moe", tmp_path)[1].remove()
     assert trainer.args.router_aux_loss_coef == 0.0 and not trainer.aux_loss_enabled
     notes = [r.getMessage() for r in caplog.records if "router_aux_loss_coef=0.0" in r.getMessage()]
-    assert len(notes) == 1 and "unset" in notes[0]
+    assert len(notes) == 1 and "(set by rpb: TRL's unset value means the model config's)" in notes[0]
 
 
 # ---- packing ------------------------------------------------------------------------------------
@@ -411,3 +411,12 @@ def test_mutant_bias_applied_in_trl_evaluation_is_caught(setup, tmp_path, monkey
     monkeypatch.setattr(AnchorTrainerMixin, "prediction_step", biased)
     with pytest.raises(AssertionError, match="eval_loss"):
         check_trl_eval_untouched(setup, tmp_path)
+
+
+def test_a_coefficient_already_zero_is_said_plainly(setup, tmp_path, caplog, monkeypatch):
+    """The note for a config that set 0.0 itself reads ``router_aux_loss_coef=0.0;``, never ``0.0 (0.0)``."""
+    monkeypatch.setattr("rpb.integrations.trl.sft._TOLD", False)
+    with caplog.at_level("WARNING", logger="rpb.integrations.trl"):
+        anchored(setup, "qwen3_moe", tmp_path)[1].remove()  # rpb's SFTConfig: 0.0 already
+    notes = [r.getMessage() for r in caplog.records if "router_aux_loss_coef=0.0" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].startswith("rpb: router_aux_loss_coef=0.0; no native")

@@ -74,9 +74,9 @@ def hold_native_aux_off(args) -> None:
     once per process: no native load-balancing loss under any rpb method, in SFT or RL."""
     global _TOLD
     if not _TOLD:
-        was = "unset: TRL would use the model config's" if args.router_aux_loss_coef is None else "0.0"
+        was = " (set by rpb: TRL's unset value means the model config's)" if args.router_aux_loss_coef is None else ""
         logger.warning(
-            "rpb: router_aux_loss_coef=0.0 (%s); no native load-balancing loss under any method, "
+            "rpb: router_aux_loss_coef=0.0%s; no native load-balancing loss under any method, "
             "rpb's own is anchor.method=lbl",
             was,
         )
