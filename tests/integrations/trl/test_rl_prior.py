@@ -92,11 +92,13 @@ def engine_without_routes(prompts, trainer):
     return out
 
 
-@pytest.mark.parametrize("path", ["generate", "rollout_func"])
+@pytest.mark.parametrize("path", ["generate", "rollout_func", "continuous_batching"])
 def test_the_training_forward_reads_each_tokens_row_and_span(path, rl_data, tmp_path):
-    """On every generation path (rpb's recorded generate; an engine's rollout_func that returns no routes) the
-    labels come from the tokens: an RPB run never trains without its bias."""
-    trainer, handle, tok = rpb_trainer(rl_data, tmp_path)
+    """On every generation path (rpb's recorded generate; an engine's rollout_func that returns no routes;
+    transformers' paged continuous batching, which records none) the labels come from the tokens: an RPB run
+    never trains without its bias."""
+    paged = {"use_transformers_continuous_batching": True} if path == "continuous_batching" else {}
+    trainer, handle, tok = rpb_trainer(rl_data, tmp_path, **paged)
     if path == "rollout_func":
         trainer.rollout_func = trainer._reading_routes(engine_without_routes)
     seen, logits, experts, hooks = capture_training(trainer)
@@ -133,7 +135,7 @@ def test_the_training_forward_reads_each_tokens_row_and_span(path, rl_data, tmp_
             else:  # structural and padding tokens: the router's own choice
                 assert got[t] == native[t], (pos, t)
     assert changed > 0, "beta 8 changed no selection: the check above showed nothing"
-    if path == "rollout_func":  # no routes on this path: nothing to compare them with, and none made up
+    if path != "generate":  # no routes on these paths: nothing to compare them with, and none made up
         assert "rpb_rollout_routes" not in inputs
         handle.remove()
         return
