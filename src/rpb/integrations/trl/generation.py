@@ -61,6 +61,8 @@ class GenerationState:
     scoring: bool = True
     #: the first training-side forward's own routing [B, S, L, K], once it ran
     first_routes: torch.Tensor | None = None
+    #: the rollouts came from a rollout_func (an engine), with or without its routes
+    from_engine: bool = False
 
     # ---- 2. each generate call ------------------------------------------------------------
     def add_turn(
@@ -118,6 +120,9 @@ class GenerationState:
         """Each rollout's routes and completion log-probabilities for its final tokens (``prompt_ids[i] +
         completion_ids[i]``, as TRL hands them on after truncation)."""
         if self.problem is not None or self.rollouts is None:
+            return
+        if len(self.rollouts) != len(prompt_ids):
+            self.problem = f"{len(self.rollouts)} rollouts recorded for a batch of {len(prompt_ids)}"
             return
         routes, logps, problems = [], [], []
         for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):

@@ -80,7 +80,7 @@ class RolloutRoutes:
         state = self._generation
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(*args)
-        if state is None or state.routes is not None:  # evaluation; or an engine's rollouts, continued by tools
+        if state is None or state.from_engine:  # evaluation; or an engine's rollouts, continued by TRL's tools
             if state is not None and state.problem is None:
                 state.problem = "TRL's tool loop continued a rollout_func's rollouts, past the engine's routes"
             with self._precision():
@@ -109,6 +109,8 @@ class RolloutRoutes:
         def read(prompts, trainer):
             out = rollout_func(prompts, trainer)
             state = self._generation
+            if state is not None:
+                state.from_engine = True
             if state is None or "routed_experts" not in out:
                 return out
             reader, spec = ROUTE_READERS[self.args.routes_format], self.replay.specs[0]
