@@ -3,10 +3,10 @@
 Shape legend: B = rollouts, S = positions of the padded batch (prompt then completion), C = completion
 positions, L = MoE layers, K = top-k.
 
-* ``flip_rate_L``: per MoE layer, the share of counted tokens whose top-k *set* differs between two routings
-  (the order of the k ids is no difference). Split as the literature splits it: the rollout against the first
-  training forward of the batch (the engine's discrepancy), and that first forward against the current one in
-  later updates of the batch (staleness).
+* ``flip_rate_L`` (``flips_L``, its count): per MoE layer, the share of counted tokens whose top-k *set* differs
+  between two routings (the order of the k ids is no difference). Split as the literature splits it: the
+  rollout against the first training forward of the batch (the engine's discrepancy), and that first forward
+  against the current one in later updates of the batch (staleness).
 * ``logp_gap``: the mean absolute difference between the rollout's and training's log-probability of each
   completion token, over tokens whose routing agreed in every layer and over those where it did not. Token t's
   log-probability is read at position t - 1, so its routing is position t - 1's.
@@ -22,11 +22,17 @@ def differs_BSL(a_BSLK: torch.Tensor, b_BSLK: torch.Tensor) -> torch.Tensor:
     return (a_BSLK.sort(dim=-1).values != b_BSLK.sort(dim=-1).values).any(dim=-1)
 
 
+def flips_L(a_BSLK: torch.Tensor, b_BSLK: torch.Tensor, count_BS: torch.Tensor) -> torch.Tensor:
+    """Per layer, how many of the ``count_BS`` tokens' top-k sets differ (the count a window of batches and ranks
+    sums before it divides: rpb's GRPO figures)."""
+    return (differs_BSL(a_BSLK, b_BSLK) & count_BS.bool()[..., None]).sum(dim=(0, 1)).double()
+
+
 def flip_rate_L(a_BSLK: torch.Tensor, b_BSLK: torch.Tensor, count_BS: torch.Tensor) -> torch.Tensor:
     """Per layer, the share of the ``count_BS`` tokens whose top-k set differs (NaN where none are counted)."""
     counted_BS = count_BS.bool()
-    flips_L = (differs_BSL(a_BSLK, b_BSLK) & counted_BS[..., None]).sum(dim=(0, 1)).double()
-    return flips_L / counted_BS.sum() if counted_BS.any() else torch.full_like(flips_L, float("nan"))
+    flipped_L = flips_L(a_BSLK, b_BSLK, counted_BS)
+    return flipped_L / counted_BS.sum() if counted_BS.any() else torch.full_like(flipped_L, float("nan"))
 
 
 def completion_positions(prompt_len: int, completion_mask_BC: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from rpb.config import ConfigError
 from rpb.integrations.trl.generation import GenerationState
 from rpb.integrations.trl.rl_prior import rollout_labels
 from rpb.replay import GenerationRecorder, batch_routes, routes_from_sglang, routes_from_vllm
-from rpb.replay.mismatch import agreed_for_completion, completion_positions, differs_BSL, logp_gap
+from rpb.replay.mismatch import agreed_for_completion, completion_positions, differs_BSL, flips_L, logp_gap
 from rpb.replay.routes import routed_positions
 
 logger = logging.getLogger(__name__)
@@ -222,11 +222,9 @@ class RolloutRoutes:
         if micro["first_update"]:
             if first is None:  # no scoring forward ran: this one is the batch's first (the buffered dict keeps it)
                 first = inputs["rpb_first_routes"] = native
-            flips = float((differs_BSL(rollout, first) & count_BS[..., None]).sum())
-            self._add("routing/rollout_flip_rate", flips, tokens * L)
+            self._add("routing/rollout_flip_rate", float(flips_L(rollout, first, count_BS).sum()), tokens * L)
         elif first is not None:
-            stale = float((differs_BSL(first, native) & count_BS[..., None]).sum())
-            self._add("routing/stale_flip_rate", stale, tokens * L)
+            self._add("routing/stale_flip_rate", float(flips_L(first, native, count_BS).sum()), tokens * L)
         used = native if replayed is None else torch.where(replayed >= 0, replayed, native)
         agreed_BC = agreed_for_completion(differs_BSL(rollout, used) & routed_positions(rollout)[..., None], P)
         # the first update only: later ones add the policy's own change since the rollout (the importance ratio)
