@@ -38,7 +38,7 @@ import torch
 from rpb.adapters import find_moe_layers, get_adapter
 from rpb.models import load_causal_lm, load_tokenizer
 from rpb.replay import GenerationRecorder, RouteReplay, batch_routes, rollout_routes
-from rpb.toyworld.tasks import sample
+from rpb.toyworld.world.tasks import sample
 
 BASE = Path(__file__).resolve().parents[1] / "bases" / "base0"
 TARGET = 1.10

@@ -1,7 +1,7 @@
 """Where a toy-world pretraining step spends its time, and what one lever on the MoE experts does to it.
 
 The toy world's base (``BaseRecipe``: Moonlight-shaped, 4 layers, 64 experts of width 64, top-6, batches of 64
-pretraining conversations) takes pretraining steps exactly as ``rpb.toyworld.base.pretrain`` does (lbl anchor
+pretraining conversations) takes pretraining steps exactly as ``rpb.toyworld.world.base.pretrain`` does (lbl anchor
 on, deterministic kernels on, AdamW, clipping), on the first batches of the real pretraining pool, under each of
 transformers' expert implementations that run on the CPU (``grouped_mm``, its default, and ``eager``) and a
 padded batched-matmul one registered here (``padded_bmm``); for the default, the operators with the most self
@@ -31,7 +31,7 @@ from rpb.anchors import AnchorConfig, install_anchor
 from rpb.prior import STRUCTURAL
 from rpb.testing.models import tiny_config
 from rpb.testing.tokenizers import moonlight_tokenizer
-from rpb.toyworld.base import BaseRecipe, _batch, encode_tasks, training_pool
+from rpb.toyworld.world.base import BaseRecipe, _batch, encode_tasks, training_pool
 from rpb.train import deterministic_algorithms
 
 

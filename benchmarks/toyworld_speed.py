@@ -4,14 +4,14 @@
 ``kernels="reference"`` (transformers' default experts kernel, padded rows, as the toy world ran before), in one
 run, as a ladder: each rung adds one lever to the rung before it, so each lever's effect shows.
 
-* pretraining: steps exactly as ``rpb.toyworld.base.pretrain`` takes them (lbl anchor, deterministic kernels,
+* pretraining: steps exactly as ``rpb.toyworld.world.base.pretrain`` takes them (lbl anchor, deterministic kernels,
   AdamW, clipping) on the real pretraining pool, the same batches for every rung, median seconds per step after
   two untimed steps; the rungs alternate in rounds, so a slower stretch of the machine hits them all;
-* one post-training cell: ``rpb.toyworld.world.train_cell`` (``rpb train``: sft, the demo's PostRecipe) on the
+* one post-training cell: ``rpb.toyworld.world.post.train_cell`` (``rpb train``: sft, the demo's PostRecipe) on the
   math set from the same base (a freshly initialised one, saved once), wall time of the training. "Labelled
   once" is a cell after the first of its process, as every cell but one of a demo or grid is: its data file was
   labelled already (``rpb.data.load_labelled`` keeps it); the reference cell labels it, as every cell did.
-  The last rung runs ``--lanes`` fast cells side by side (``rpb.toyworld.lanes``: one process each, the
+  The last rung runs ``--lanes`` fast cells side by side (``rpb.toyworld.study.lanes``: one process each, the
   threads shared out), as ``rpb demo`` and ``rpb experiment`` do: wall time, from the pool's start (the
   processes' imports and labelling included) to the last cell's end, divided by the cells.
 
@@ -45,10 +45,10 @@ from rpb.kernels import SORTED_EXPERTS, token_mask
 from rpb.models import load_tokenizer
 from rpb.testing.models import tiny_config
 from rpb.testing.tokenizers import moonlight_tokenizer
-from rpb.toyworld.base import BaseRecipe, encode_tasks, machine, pretraining_step, training_batch, training_pool
-from rpb.toyworld.lanes import Job, run_jobs
-from rpb.toyworld.tasks import sample
-from rpb.toyworld.world import PostRecipe, train_cell, write_rows
+from rpb.toyworld.study.lanes import Job, run_jobs
+from rpb.toyworld.world.base import BaseRecipe, encode_tasks, machine, pretraining_step, training_batch, training_pool
+from rpb.toyworld.world.post import PostRecipe, train_cell, write_rows
+from rpb.toyworld.world.tasks import sample
 from rpb.train import deterministic_algorithms
 
 
@@ -85,7 +85,8 @@ CELL_LADDER = (
     Rung("+ data labelled once per process", "reference", labelled=True),
     Rung("fast: + rpb_sorted experts, packed rows", "fast", labelled=True),
 )
-#: the last cell rung: ``lanes`` fast cells side by side (rpb.toyworld.lanes, the cores shared out), wall time / lanes
+#: the last cell rung: ``lanes`` fast cells side by side (rpb.toyworld.study.lanes, the cores shared out),
+#: wall time / lanes
 LANES_RUNG = "fast, {lanes} cells side by side (wall / cells)"
 
 

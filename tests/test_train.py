@@ -167,7 +167,7 @@ def test_deterministic_kernels_repeat_the_toy_world_backward_exactly():
     in thread order: 44 of 52 gradients differed on 2 cores); inside the block
     every gradient repeats bit for bit, and the caller's setting comes back afterwards."""
     from rpb.testing.models import tiny_config
-    from rpb.toyworld.base import BaseRecipe
+    from rpb.toyworld.world.base import BaseRecipe
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("moonlight", 96, **BaseRecipe().model_overrides()))

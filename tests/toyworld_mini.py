@@ -11,10 +11,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from rpb.toyworld.base import BaseRecipe
-from rpb.toyworld.experiment import Study
-from rpb.toyworld.grids import Arm, Grid
-from rpb.toyworld.world import PostRecipe
+from rpb.toyworld.grids.cot import COT_TABLE
+from rpb.toyworld.grids.demo import DEMO_TABLE
+from rpb.toyworld.study.cells import Study
+from rpb.toyworld.study.grid import Arm, Grid
+from rpb.toyworld.world.base import BaseRecipe
+from rpb.toyworld.world.post import PostRecipe
 
 MINI_BASE = BaseRecipe(hidden_size=32, num_hidden_layers=2, n_routed_experts=8, num_experts_per_tok=2,
                        moe_intermediate_size=16, intermediate_size=64, batch_size=8, max_steps=6, pool=64)  # fmt: skip
@@ -22,13 +24,13 @@ MINI_POST = PostRecipe(train_rows=48, max_steps=3, batch_size=8, warmup_steps=0,
                        base=MINI_BASE)  # fmt: skip
 #: two methods, one seed; lbl's weight chosen on validation from two candidates
 MINI_GRID = Grid("mini", ("math_post",), (Arm("lbl", "lbl"), Arm("rpb", "rpb")), (42,), tables=("demo",),
-                 candidates={"lbl": (0.01, 0.1)})  # fmt: skip
+                 candidates={"lbl": (0.01, 0.1)}, table_kinds={"demo": DEMO_TABLE})  # fmt: skip
 
 
 #: the long-trace grid in miniature: the trace set, sft and a within-transition control, one seed
 MINI_COT_GRID = Grid("mini-cot", ("sum_trace",),
                      (Arm("sft", "sft"), Arm("within-transition-soft", "within-transition-soft")), (42,),
-                     tables=("cot",))  # fmt: skip
+                     tables=("cot",), table_kinds={"cot": COT_TABLE})  # fmt: skip
 MINI_COT_POST = replace(MINI_POST, max_seq_len=128, probe_rows=12)
 GRIDS = {"mini": (MINI_GRID, MINI_POST), "mini-cot": (MINI_COT_GRID, MINI_COT_POST)}
 

@@ -12,8 +12,8 @@ from rpb.anchors import METHODS, AnchorConfig, get_method, install_anchor, metho
 from rpb.config import ConfigError, load_config
 from rpb.errors import ArgumentError
 from rpb.testing.models import build_tiny_model
-from rpb.toyworld.grids import Arm, Grid, table_weights
-from rpb.toyworld.tables import table
+from rpb.toyworld.study.grid import Arm, Grid, table_weights
+from rpb.toyworld.study.tables import table
 from tests.anchors import dummy_method
 
 

@@ -55,7 +55,7 @@ def test_the_toy_worlds_cells_pin_softmax_as_the_shipped_grids_were_made(method,
     read the normalised sigmoid, and the shipped kl-to-base cells would not regenerate. The pin is in the
     code, not the cell's recorded anchor, so no shipped cell's identity changes."""
     import rpb.train
-    from rpb.toyworld.world import PostRecipe, train_cell
+    from rpb.toyworld.world.post import PostRecipe, train_cell
 
     seen = []
     monkeypatch.setattr(rpb.train, "run_training", lambda cfg, callbacks=(): seen.append(cfg))

@@ -397,11 +397,11 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
     Mutant(
         name="bootstrap_resamples_only_seeds",
         story="the two-stage bootstrap resamples seeds within every base but never resamples the bases",
-        path="toyworld/stats.py",
+        path="toyworld/study/stats.py",
         function="two_stage_bootstrap",
-        pattern=r"for b in bases\]",
-        replacement="for b in range(len(per_base))]",
-        tests=("tests/toyworld/test_stats.py::test_two_stage_bootstrap_resamples_bases_then_seeds",),
+        pattern=r"\[drawn_bases\[:, :, None\], drawn_seeds\]",
+        replacement="[np.arange(len(per_base))[None, :, None], drawn_seeds]",
+        tests=("tests/toyworld/study/test_stats.py::test_two_stage_bootstrap_resamples_bases_then_seeds",),
         ci=True,
     ),
     # ---- checkpoints, atomic writes, verification ---------------------------------------------------------------
@@ -639,11 +639,11 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         name="packed_pretraining_with_a_cache",
         story="the packed pretraining step leaves use_cache to the config: transformers then builds a cache, "
         "ignores the restarting positions, and packed conversations attend to each other",
-        path="toyworld/base.py",
+        path="toyworld/world/base.py",
         function="pretraining_step",
         pattern=r"model\(\*\*batch, use_cache=False\)",
         replacement="model(**batch)",
-        tests=("tests/toyworld/test_base.py::test_pretraining_takes_the_same_first_step_on_both_paths",),
+        tests=("tests/toyworld/world/test_base.py::test_pretraining_takes_the_same_first_step_on_both_paths",),
     ),
     Mutant(
         name="labelled_memo_ignores_the_tokenizer",
@@ -661,20 +661,20 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         name="lanes_ignore_waits",
         story="a job starts as soon as a lane is free, before the jobs it waits for (a calibrated cell before its "
         "calibration, a weighted cell before its selection runs)",
-        path="toyworld/lanes.py",
+        path="toyworld/study/lanes.py",
         function="run_jobs",
         pattern=r"ready = \[i for i in pending if all\(a in results for a in jobs\[i\]\.after\)\]",
         replacement="ready = [i for i in pending]",
-        tests=("tests/toyworld/test_lanes.py::test_jobs_run_side_by_side_after_what_they_wait_for",),
+        tests=("tests/toyworld/study/test_lanes.py::test_jobs_run_side_by_side_after_what_they_wait_for",),
     ),
     Mutant(
         name="lanes_take_every_core_each",
         story="each lane keeps torch's default thread count, all the cores: two lanes on two cores fight over them",
-        path="toyworld/lanes.py",
+        path="toyworld/study/lanes.py",
         function="_start_lane",
         pattern=r"torch\.set_num_threads\(threads\)",
         replacement="pass",
-        tests=("tests/toyworld/test_lanes.py::test_jobs_run_side_by_side_after_what_they_wait_for",),
+        tests=("tests/toyworld/study/test_lanes.py::test_jobs_run_side_by_side_after_what_they_wait_for",),
     ),
     Mutant(
         name="agreement_data_file_unchecked",
@@ -690,11 +690,11 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         name="machine_mix_ignores_threads",
         story="the tables' machine line counts cells by machine type alone: cells at one thread and at two on the "
         "same CPU read as one kind, though their bits differ",
-        path="toyworld/tables.py",
+        path="toyworld/study/tables.py",
         function="machine_mix",
         pattern=r'r\.get\("threads"\), torch\)\] \+= 1',
         replacement="None, torch)] += 1",
-        tests=("tests/toyworld/test_tables.py::test_the_machine_mix_counts_cells_by_machine_and_threads",),
+        tests=("tests/toyworld/study/test_tables.py::test_the_machine_mix_counts_cells_by_machine_and_threads",),
     ),
     Mutant(
         name="remote_tokenizer_left_unimportable",
@@ -720,33 +720,35 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         name="ship_takes_an_unfinished_base",
         story="rpb experiment --ship copies a base whatever its runs: a base with cells still running lands in "
         "docs/results, and its report is made from a partial set of seeds",
-        path="toyworld/shipping.py",
+        path="toyworld/study/shipping.py",
         function="ship_base",
         pattern=r"    if missing:\n",
         replacement="    if False:\n",
-        tests=("tests/toyworld/test_shipping.py::test_a_base_with_unfinished_runs_is_refused_with_every_one_named",),
+        tests=(
+            "tests/toyworld/study/test_shipping.py::test_a_base_with_unfinished_runs_is_refused_with_every_one_named",
+        ),
     ),
     Mutant(
         name="ship_copies_the_whole_cell_folder",
         story="rpb experiment --ship copies everything under each cell, checkpoints and retention folders too "
         "(about 20 MB a kept checkpoint) instead of the result files alone",
-        path="toyworld/shipping.py",
+        path="toyworld/study/shipping.py",
         function="ship_base",
         pattern=r"for source in sorted\(st\.out\.glob\(pattern\)\):",
         replacement="for source in sorted(q for p in st.out.glob(pattern) for q in "
         "([p] if p.name != 'result.json' else [f for f in p.parent.rglob('*') if f.is_file()])):",
-        tests=("tests/toyworld/test_shipping.py::test_a_finished_base_ships_its_result_files_and_nothing_else",),
+        tests=("tests/toyworld/study/test_shipping.py::test_a_finished_base_ships_its_result_files_and_nothing_else",),
     ),
     Mutant(
         name="bases_option_runs_every_base",
         story="rpb experiment --bases 2 runs every base of the grid: the machine given one base's share trains "
         "the others too, beside the machine running them",
-        path="toyworld/across.py",
+        path="toyworld/study/across.py",
         function="run_grid",
         pattern=r"sts = \[st for st in sts if st\.base_seed in bases\]",
         replacement="sts = list(sts)",
         tests=(
-            "tests/toyworld/test_shipping.py::"
+            "tests/toyworld/study/test_shipping.py::"
             "test_rpb_experiment_bases_runs_only_that_share_of_the_grid_and_writes_no_report",
         ),
     ),
@@ -754,32 +756,32 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         name="selection_recorded_only_by_the_report",
         story="a grid's run leaves selection.json to the report: a base run with --bases (no report) has no "
         "record of which weights its cells were trained at",
-        path="toyworld/experiment.py",
+        path="toyworld/study/cells.py",
         function="Study._run",
         pattern=r"if selection:  # every selection run finished: the record of all of them",
         replacement="if False:",
-        tests=("tests/toyworld/test_experiment.py::test_weights_are_chosen_on_the_validation_split",),
+        tests=("tests/toyworld/study/test_cells.py::test_weights_are_chosen_on_the_validation_split",),
     ),
     Mutant(
         name="cell_runs_every_methods_selection",
         story="a weighted cell asks for every method's weight, not its own: on many lanes it starts another "
         "method's selection run over while that run is still training in another lane, in the same folder",
-        path="toyworld/experiment.py",
+        path="toyworld/study/cells.py",
         function="Study.grid_cell",
         pattern=r"self\.select_weights\(_NoBar\(\), only=arm\.method\)",
         replacement="self.select_weights(_NoBar())",
-        tests=("tests/toyworld/test_experiment.py::test_a_cell_never_touches_another_methods_selection_runs",),
+        tests=("tests/toyworld/study/test_cells.py::test_a_cell_never_touches_another_methods_selection_runs",),
     ),
     Mutant(
         name="ship_drops_a_running_bases_runs",
         story="rpb experiment --ship keeps nothing of a base still running: its finished cells die with the "
         "machine, and a grid longer than a working day never finishes",
-        path="toyworld/shipping.py",
+        path="toyworld/study/shipping.py",
         function="ship",
         pattern=r"if \(st\.out / \"grid\.json\"\)\.is_file\(\) and any\(",
         replacement="if False and any(",
         tests=(
-            "tests/toyworld/test_shipping.py::"
+            "tests/toyworld/study/test_shipping.py::"
             "test_a_base_still_running_keeps_its_finished_runs_aside_until_it_ships_whole",
         ),
     ),
@@ -787,11 +789,11 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         name="resume_writes_over_the_run_folder",
         story="rpb experiment --resume-from copies the shipped files over the run folder's own: a cell the run "
         "folder finished is replaced by another machine's",
-        path="toyworld/shipping.py",
+        path="toyworld/study/shipping.py",
         function="resume_from",
         pattern=r" and not \(st\.out / p\.relative_to\(source\)\)\.exists\(\)",
         replacement="",
-        tests=("tests/toyworld/test_shipping.py::test_resume_from_never_writes_over_the_run_folder",),
+        tests=("tests/toyworld/study/test_shipping.py::test_resume_from_never_writes_over_the_run_folder",),
     ),
     Mutant(
         name="axolotl_remote_tokenizer_left_unimportable",
@@ -810,11 +812,11 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         name="beta_grid_paired_with_a_missing_sft",
         story="a grid without an sft arm (beta) still pairs every method with sft: its scores tables carry no "
         "differences at all",
-        path="toyworld/across.py",
+        path="toyworld/study/across.py",
         function="reference_arm",
         pattern=r"    return zero\[0\] if zero else REFERENCE",
         replacement="    return REFERENCE",
-        tests=("tests/toyworld/test_across.py::test_a_grid_without_sft_pairs_each_beta_with_its_beta_0_arm",),
+        tests=("tests/toyworld/study/test_across.py::test_a_grid_without_sft_pairs_each_beta_with_its_beta_0_arm",),
     ),
 )
 

@@ -119,7 +119,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="toyworld_transform_not_pinned",
         story="the toy world's cells take the family default: a kl-to-base cell on its DeepSeek-V3-shaped base "
         "reads the normalised sigmoid, and the shipped kl-to-base cells no longer regenerate",
-        path="toyworld/world.py",
+        path="toyworld/world/post.py",
         function="train_cell",
         pattern=r'\{"router_transform": ROUTER_TRANSFORM\} \| ',
         replacement="",

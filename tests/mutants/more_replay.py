@@ -151,19 +151,19 @@ MUTANTS: tuple[Mutant, ...] = (
         name="collapse_without_waiting_for_recovery",
         story="the collapse rule flags a reward that dips below half its best without waiting a tenth of the run "
         "for it to come back: a short dip counts as a collapse",
-        path="toyworld/rl_claims.py",
+        path="toyworld/grids/rl.py",
         function="collapsed",
         pattern=r"and not any\(later >= best / 2 for later in smooth\[i \+ 1 : i \+ 1 \+ patience\]\)",
         replacement="",
-        tests=("tests/toyworld/test_rl_claims.py::test_the_collapse_rule[reward2-loss2-False]",),
+        tests=("tests/toyworld/grids/test_rl.py::test_the_collapse_rule[reward2-loss2-False]",),
     ),
     Mutant(
         name="rl_prompts_keep_the_sft_rows",
         story="the RL prompts are not held out from the sft data: GRPO rewards questions the start was trained on",
-        path="toyworld/rl.py",
+        path="toyworld/world/rl.py",
         function="rl_prompts",
         pattern=r" if t\.question not in taken\]",
         replacement="]",
-        tests=("tests/toyworld/test_rl.py::test_the_prompts_are_the_training_split_without_the_sft_rows",),
+        tests=("tests/toyworld/world/test_rl.py::test_the_prompts_are_the_training_split_without_the_sft_rows",),
     ),
 )

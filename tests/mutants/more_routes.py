@@ -8,11 +8,11 @@ from tests.mutants.harness import Mutant
 
 FROM_ROUTES = "tests/collect/test_from_routes.py"
 HF_ROUTES = "tests/collect/test_hf_routes.py"
-FREQUENCY = "tests/toyworld/test_frequency.py"
+FREQUENCY = "tests/toyworld/grids/test_beta_frequency.py"
 REVERT = "tests/adapters/test_revert.py"
 REVERT_NLL = "tests/retention/test_revert.py"
-REVERT_GRID = "tests/toyworld/test_revert.py"
-REVERT_STUDY = "tests/toyworld/test_revert_study.py"
+REVERT_GRID = "tests/toyworld/grids/test_revert.py"
+REVERT_STUDY = "tests/toyworld/grids/test_revert_study.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -75,7 +75,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="frequency_judged_at_the_asked_margin",
         story="every frequency claim is judged at ±1 whatever margin its name says: the measured margins are never "
         "tested",
-        path="toyworld/frequency.py",
+        path="toyworld/grids/beta_frequency.py",
         function="judge_frequency",
         pattern=r"equivalent\(claim, d, margin, note\)",
         replacement="equivalent(claim, d, ASKED_MARGIN, note)",
@@ -85,11 +85,11 @@ MUTANTS: tuple[Mutant, ...] = (
         name="frequency_borrows_another_bases_cells",
         story="the frequency grid copies the beta grid's cells without checking that they pin the same base "
         "weights and recipe: its pairs may mix two bases",
-        path="toyworld/frequency_study.py",
-        function="FrequencyStudy.paired_cell",
+        path="toyworld/study/paired.py",
+        function="PairedStudy.paired_cell",
         pattern=r'if any\(theirs\.get\(k\) != ours\.get\(k\) for k in \("post_recipe", "base_sha256"\)\):',
         replacement="if False:",
-        tests=("tests/toyworld/test_frequency_study.py::test_probability_cells_are_the_shipped_beta_grids_files",),
+        tests=("tests/toyworld/study/test_paired.py::test_probability_cells_are_the_shipped_beta_grids_files",),
     ),
     Mutant(
         name="revert_only_the_router_weight",
@@ -141,7 +141,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="revert_claim_judged_the_wrong_way",
         story="the trained domain's part of the revert claim is judged as a fall in NLL, not a rise: a reproduced "
         "claim reads as contradicted",
-        path="toyworld/revert.py",
+        path="toyworld/grids/revert.py",
         function="judge_revert",
         pattern=r"\(TRAINED,\), 1\)",
         replacement="(TRAINED,), -1)",
@@ -151,7 +151,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="revert_rl_arm_not_reverted_to_its_start",
         story="an RL cell is reverted to the base's routers only: the issue's second reference, the sft start's "
         "routers, is silently missing from the grid",
-        path="toyworld/revert_study.py",
+        path="toyworld/grids/revert.py",
         function="RevertStudy.measure",
         pattern=r'if "start_sha256" in result else \{\}',
         replacement="if False else {}",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.mutants.harness import Mutant
 
 HOOKS = "tests/observe/test_hooks.py"
-FIGURES = "tests/toyworld/test_figures.py"
+FIGURES = "tests/toyworld/study/test_figures.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -43,7 +43,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="forest_intervals_drawn_from_the_mean",
         story="the forest plot draws each interval from its mean to its upper end: the figure hides how far "
         "below zero a method may lie",
-        path="toyworld/figures.py",
+        path="toyworld/study/figures.py",
         function="forest",
         pattern=r"\[d\.lo for d in rows\]",
         replacement="[d.mean for d in rows]",

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-from dataclasses import asdict
 from pathlib import Path
 
-from rpb.toyworld.figures import CLAIMS, FOREST
-from rpb.toyworld.frequency import FREQUENCY_GRID
+from rpb.toyworld.grids.beta_frequency import GRID as FREQUENCY_GRID
 from rpb.toyworld.prior_kinds import table
-from rpb.toyworld.shipping import report_shipped, shipped_results, shipped_studies
+from rpb.toyworld.study.figures import CLAIMS, FOREST
+from rpb.toyworld.study.grid import pinned_fields
+from rpb.toyworld.study.shipping import report_shipped, shipped_results, shipped_studies
 from tests.project.test_prose_figures import flat, sections, table_rows, unicode_minus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def test_every_base_is_shipped_whole_and_pins_todays_grid():
     shipped_bases = json.loads((ROOT / "bases" / "bases.json").read_text())
     for folder, b in zip(_base_folders(), FREQUENCY_GRID.bases, strict=True):
         pinned = json.loads((folder / "grid.json").read_text())
-        assert pinned["grid"] == json.loads(json.dumps(asdict(FREQUENCY_GRID)))
+        assert pinned["grid"] == json.loads(json.dumps(pinned_fields(FREQUENCY_GRID)))
         assert pinned["base_sha256"] == shipped_bases[f"base{b}"]["weights_sha256"]
         beta = json.loads((RESULTS / "beta" / folder.name / "grid.json").read_text())
         assert (pinned["post_recipe"], pinned["base_sha256"]) == (beta["post_recipe"], beta["base_sha256"])

@@ -20,9 +20,12 @@ from pathlib import Path
 import pytest
 
 from rpb.anchors import AnchorConfig, get_method
-from rpb.toyworld.figures import CLAIMS, FOREST
-from rpb.toyworld.grids import GRIDS
-from rpb.toyworld.shipping import report_shipped, shipped_results, shipped_studies
+from rpb.toyworld.grids import grids
+from rpb.toyworld.study.figures import CLAIMS, FOREST
+from rpb.toyworld.study.grid import pinned_fields
+from rpb.toyworld.study.shipping import report_shipped, shipped_results, shipped_studies
+
+GRIDS = grids()
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
@@ -32,7 +35,7 @@ STUDY_GRIDS = ("headline", "beta", "full")
 UNDER_WAY: set[str] = set()  # every study grid is whole (issue 33)
 #: the grids with a base shipped whole (a grid may have only a base under way, in unfinished/)
 SHIPPED = [g for g in STUDY_GRIDS if any(p.is_dir() for p in (RESULTS / g).glob("base*"))]
-#: the figures the report draws beside tables.md (rpb.toyworld.figures)
+#: the figures the report draws beside tables.md (rpb.toyworld.study.figures)
 FIGURES = (FOREST, CLAIMS)
 RULE = hashlib.sha256((ROOT / "src" / "rpb" / "calibrate" / "rule.py").read_bytes()).hexdigest()
 
@@ -53,7 +56,7 @@ def test_every_finished_grid_is_shipped_whole():
 def _pins_todays_grid(folder: Path, grid, b: int) -> dict:
     """The base folder's grid.json: today's grid on the shipped base b (bases/bases.json's sha256)."""
     pinned = json.loads((folder / "grid.json").read_text())
-    assert pinned["grid"] == json.loads(json.dumps(asdict(grid))) and pinned["post_recipe"]["base"]["seed"] == b
+    assert pinned["grid"] == json.loads(json.dumps(pinned_fields(grid))) and pinned["post_recipe"]["base"]["seed"] == b
     assert (
         pinned["base_sha256"] == json.loads((ROOT / "bases" / "bases.json").read_text())[f"base{b}"]["weights_sha256"]
     )
@@ -111,7 +114,7 @@ def test_each_base_pins_todays_grid(name):
             weighted = {a.method for a in grid.arms if get_method(a.method).coefficient}
             assert len(selection) == sum(len(grid.candidates[m]) for m in weighted)
         assert all(json.loads(p.read_text())["part"] == "validation" for p in selection)
-        if grid.name == "beta" or any(a.calibrated for a in grid.arms):
+        if grid.judges_beta_rule or any(a.calibrated for a in grid.arms):
             for s in grid.sets:  # the rule committed before bases 1 and 2, unchanged
                 assert json.loads((folder / "calibration" / s / "calibrate.json").read_text())["rule"][
                     "source_sha256"] == RULE  # fmt: skip

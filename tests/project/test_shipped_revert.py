@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
-from rpb.toyworld.figures import CLAIMS
-from rpb.toyworld.revert import REVERT_GRID
-from rpb.toyworld.revert_report import REVERT_FIGURE, shipped_cell
-from rpb.toyworld.shipping import report_shipped, shipped_results, shipped_studies
+from rpb.toyworld.grids.revert import GRID as REVERT_GRID
+from rpb.toyworld.grids.revert import REVERT_FIGURE, shipped_cell
+from rpb.toyworld.study.figures import CLAIMS
+from rpb.toyworld.study.grid import pinned_fields
+from rpb.toyworld.study.shipping import report_shipped, shipped_results, shipped_studies
 from tests.project.test_prose_figures import flat, sections, table_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def test_every_base_is_shipped_whole_and_pins_todays_grid():
     shipped_bases = json.loads((ROOT / "bases" / "bases.json").read_text())
     for folder, b in zip(_bases(), REVERT_GRID.bases, strict=True):
         pinned = json.loads((folder / "grid.json").read_text())
-        assert pinned["grid"] == json.loads(json.dumps(asdict(REVERT_GRID)))
+        assert pinned["grid"] == json.loads(json.dumps(pinned_fields(REVERT_GRID)))
         assert pinned["base_sha256"] == shipped_bases[f"base{b}"]["weights_sha256"]
         assert len(list(folder.glob("runs/*/*/*/result.json"))) == CELLS
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from rpb.anchors import get_method
-from rpb.toyworld.figures import CLAIMS
-from rpb.toyworld.rl import RL_GRID
-from rpb.toyworld.rl_figures import RL_FIGURE
-from rpb.toyworld.shipping import report_shipped, shipped_results, shipped_studies
+from rpb.toyworld.grids.rl import GRID as RL_GRID
+from rpb.toyworld.study.figures import CLAIMS
+from rpb.toyworld.study.grid import pinned_fields
+from rpb.toyworld.study.rl_figures import RL_FIGURE
+from rpb.toyworld.study.shipping import report_shipped, shipped_results, shipped_studies
 from tests.project.test_prose_figures import flat, sections, table_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def test_every_base_is_shipped_whole_and_pins_todays_grid():
     weighted = {a.method for a in RL_GRID.arms if get_method(a.method).coefficient}
     for folder, b in zip(_base_folders(), RL_GRID.bases, strict=True):
         pinned = json.loads((folder / "grid.json").read_text())
-        assert pinned["grid"] == json.loads(json.dumps(asdict(RL_GRID)))
+        assert pinned["grid"] == json.loads(json.dumps(pinned_fields(RL_GRID)))
         assert pinned["post_recipe"]["base"]["seed"] == b
         assert pinned["base_sha256"] == shipped_bases[f"base{b}"]["weights_sha256"]
         start = json.loads((folder / "start" / "record.json").read_text())

@@ -145,6 +145,108 @@ def test_the_core_runs_without_the_toy_world(tmp_path):
     assert tested.returncode == 0, tested.stdout[-3000:]
 
 
+#: the toy world's floors, lowest first: a module imports only from its own floor or those below it
+TOY_FLOORS = ("world", "study", "grids")
+
+
+def toy_floor(module: str) -> int | None:
+    """The floor of a toy-world module (``len(TOY_FLOORS)`` for the commands above them: cli, demo, ...)."""
+    parts = module.split(".")
+    if parts[:2] != ["rpb", "toyworld"] or len(parts) < 3:
+        return None
+    return TOY_FLOORS.index(parts[2]) if parts[2] in TOY_FLOORS else len(TOY_FLOORS)
+
+
+def toy_floor_offenders() -> list[str]:
+    """Each toy-world import from a floor to a higher one (``world`` -> ``study`` or ``grids``, ``study`` ->
+    ``grids``), as ``importer -> imported``."""
+    found = []
+    for path in source_files():
+        here = toy_floor(module_name(path))
+        if here is None:
+            continue
+        for imported in sorted(imported_modules(path)):
+            there = toy_floor(imported)
+            if there is not None and there > here and imported != "rpb.toyworld":
+                found.append(f"{module_name(path)} -> {imported}")
+    return found
+
+
+def test_the_toy_worlds_floors_import_only_downwards():
+    """``world/`` imports nothing of ``study/`` or ``grids/``; ``study/`` nothing of ``grids/``."""
+    assert toy_floor_offenders() == []
+
+
+#: strings of the machinery that spell a grid's name but mean something else
+NOT_GRIDS = {
+    "beta": "the AnchorConfig field a cell's anchor holds",
+    "rl": "the key of an RL cell's record",
+    "demo": "the `rpb demo` command",
+}
+
+
+def grid_names_in(path: Path, names: set[str]) -> list[str]:
+    """Where ``path`` names a grid: a string constant (docstrings left out) that is a grid's name (or its module's)
+    and not in ``NOT_GRIDS``, and any comparison of a ``.name`` with a grid's name (those in ``NOT_GRIDS`` too)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    where = str(path.relative_to(SRC))
+    found = [
+        f"{where}: {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+        and node.value in names - set(NOT_GRIDS)
+    ]  # fmt: skip
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(s, ast.Attribute) and s.attr == "name" for s in sides)
+            strings = any(isinstance(c, ast.Constant) and c.value in names for s in sides for c in ast.walk(s))
+            if named and strings:
+                found.append(f"{where}:{node.lineno}: compares a name with a grid's")
+    return found
+
+
+def test_the_machinery_names_no_grid():
+    """The study machinery (``study/``, and the command line) runs a grid from its fields alone: no string of it is
+    a shipped grid's name, no ``.name`` is compared with one, and it imports no grid module."""
+    from rpb.toyworld.grids import grids
+
+    names = {*grids(), *(g.replace("-", "_") for g in grids())}
+    machinery = [*sorted((SRC / "toyworld" / "study").glob("*.py")), SRC / "toyworld" / "cli.py"]
+    assert [hit for p in machinery for hit in grid_names_in(p, names)] == []
+    modules = {module_name(p) for p in (SRC / "toyworld" / "grids").glob("*.py") if p.name != "__init__.py"}
+    importers = [module_name(p) for p in machinery if imported_modules(p) & modules]
+    assert importers == []
+
+
+def test_the_floor_and_name_checks_catch_an_offender(tmp_path, monkeypatch):
+    root = tmp_path / "rpb"
+    for folder in ("toyworld/world", "toyworld/study"):
+        (root / folder).mkdir(parents=True)
+    (root / "toyworld" / "world" / "up.py").write_text("def f():\n    from rpb.toyworld.study import cells\n")
+    (root / "toyworld" / "study" / "named.py").write_text(
+        '"""the full grid, in prose."""\nKIND = "full"\nANCHOR = "beta"\n'
+        'def f(g, p):\n    return g.name == "beta" or p.name == "x"\n'
+    )
+    monkeypatch.setattr(f"{__name__}.SRC", root)
+    assert toy_floor_offenders() == [
+        "rpb.toyworld.world.up -> rpb.toyworld.study",
+        "rpb.toyworld.world.up -> rpb.toyworld.study.cells",
+    ]
+    assert grid_names_in(root / "toyworld" / "study" / "named.py", {"full", "beta"}) == [
+        "toyworld/study/named.py: 'full'",
+        "toyworld/study/named.py:5: compares a name with a grid's",
+    ]
+
+
 def test_nothing_in_src_imports_the_tests():
     offenders = [module_name(p) for p in source_files() if any(m.split(".")[0] == "tests" for m in imported_modules(p))]
     assert offenders == []
@@ -220,8 +322,13 @@ TESTED_THROUGH: dict[str, tuple[str, ...]] = {
     "retention/markdown.py": ("retention/test_plots.py",),
     "retention/stats.py": ("retention/test_run.py",),
     "testing/data.py": ("testing/test_models.py",),
-    "testing/tokenizers.py": ("testing/test_models.py", "toyworld/test_tasks.py"),
-    "toyworld/knowledge.py": ("toyworld/test_tasks.py",),
+    "testing/tokenizers.py": ("testing/test_models.py", "toyworld/world/test_tasks.py"),
+    "toyworld/grids/cot.py": ("toyworld/test_grids.py", "toyworld/study/test_cells_cot.py"),
+    "toyworld/grids/demo.py": ("toyworld/test_grids.py", "toyworld/test_demo.py"),
+    "toyworld/grids/full.py": ("toyworld/test_grids.py",),
+    "toyworld/grids/headline.py": ("toyworld/test_grids.py",),
+    "toyworld/grids/small.py": ("toyworld/test_grids.py",),
+    "toyworld/world/knowledge.py": ("toyworld/world/test_tasks.py",),
     "trainer.py": ("test_train_wiring.py", "test_checkpoints.py"),
 }
 #: Modules no test file imports at all: known gaps, not coverage. Each names the test file and the module

@@ -26,8 +26,8 @@ def revert_finished(tmp_path_factory):
     from dataclasses import replace
     from pathlib import Path
 
-    from rpb.toyworld.revert import REVERT_GRID
-    from rpb.toyworld.revert_study import RevertStudy
+    from rpb.toyworld.grids.revert import GRID as REVERT_GRID
+    from rpb.toyworld.grids.revert import RevertStudy
     from tests.toyworld_mini import MINI_POST
     from tests.toyworld_rl_mini import MINI_RL_RECIPE
 

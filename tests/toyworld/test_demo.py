@@ -8,9 +8,9 @@ import json
 import shutil
 from pathlib import Path
 
-from rpb.toyworld.experiment import Study
-from rpb.toyworld.grids import GRIDS
-from rpb.toyworld.world import PostRecipe
+from rpb.toyworld.grids.demo import GRID as DEMO
+from rpb.toyworld.study.cells import Study
+from rpb.toyworld.world.post import PostRecipe
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "docs" / "results" / "demo"
@@ -19,7 +19,7 @@ SHIPPED = ROOT / "docs" / "results" / "demo"
 def test_the_readme_demo_table_is_the_report_of_the_shipped_cells(tmp_path):
     out = tmp_path / "demo"
     shutil.copytree(SHIPPED, out)
-    grid = GRIDS["demo"]
+    grid = DEMO
     study = Study(out, grid, grid.post or PostRecipe(), tmp_path / "cache", progress=False)
     results = [
         json.loads((out / "runs" / s / a.slug / f"seed{seed}" / "result.json").read_text())

@@ -1,23 +1,53 @@
-"""The grids' definitions: their sizes, arms and recipes, against values counted by hand."""
+"""The grids, one module each in ``rpb.toyworld.grids``: found by name or as ``module:ATTR``, and their definitions
+(sizes, arms, recipes) against values counted by hand."""
 
 from __future__ import annotations
 
-from rpb.toyworld.grids import (
-    BETA_ARMS,
-    CALIBRATED,
-    COT_POST,
-    GRIDS,
-    STUDY_POST,
-    TRANSITION_KEYS,
-    Arm,
-    table_weights,
+import sys
+
+import pytest
+
+from rpb.errors import RpbError
+from rpb.toyworld.grids import find, grids
+from rpb.toyworld.grids.beta import BETA_ARMS
+from rpb.toyworld.grids.cot import COT_POST
+from rpb.toyworld.grids.demo import GRID as DEMO
+from rpb.toyworld.grids.full import GRID as FULL
+from rpb.toyworld.grids.full import PAPER_METHODS
+from rpb.toyworld.grids.headline import GRID as HEADLINE
+from rpb.toyworld.grids.small import GRID as SMALL
+from rpb.toyworld.study.grid import CALIBRATED, STUDY_POST, table_weights
+
+GRIDS = grids()
+
+
+def test_every_grid_module_declares_one_grid_found_by_its_name():
+    assert list(GRIDS) == ["beta", "beta-frequency", "cot", "demo", "full", "headline", "revert", "rl", "small"]
+    assert find("small") is SMALL and find("rpb.toyworld.grids.full:GRID") is FULL
+    assert all(g.about for g in GRIDS.values()), "each grid says what it runs, for rpb experiment --help"
+
+
+def test_a_grid_of_ones_own_is_found_as_module_attr(tmp_path, monkeypatch):
+    (tmp_path / "mine.py").write_text(
+        "from rpb.toyworld.study.grid import Grid, arms\nMY = Grid('mine', ('math_post',), arms('sft'), (1,))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mine", raising=False)
+    assert find("mine:MY").name == "mine"
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("nope", "no grid 'nope': the grids are beta, beta-frequency"),
+        ("no_such_module_here:GRID", "cannot import 'no_such_module_here'"),
+        ("rpb.toyworld.grids.full:NOPE", "has no 'NOPE'"),
+        ("rpb.toyworld.grids.full:PAPER_METHODS", "tuple is not a grid"),
+    ],
 )
-
-
-def test_an_arms_slug_drops_spaces_and_equals_signs():
-    assert Arm("rpb beta=0.25", "rpb").slug == "rpbbeta0.25"
-    assert Arm("rpb calibrated", "rpb").slug == "rpbcalibrated"
-    assert Arm("kl-to-base", "kl-to-base").slug == "kl-to-base"
+def test_a_spec_that_names_no_grid_is_refused_by_name(spec, says):
+    with pytest.raises(RpbError, match=says):
+        find(spec)
 
 
 def test_the_beta_grid_has_one_arm_per_beta_and_the_hard_anchor():
@@ -32,6 +62,7 @@ def test_the_beta_grid_has_one_arm_per_beta_and_the_hard_anchor():
     ]
     assert BETA_ARMS[2].anchor == (("beta", 0.5),) and BETA_ARMS[-1].method == "rpb-hard"
     assert GRIDS["beta"].coefficients == {}  # no weight to choose: beta is the arm's own setting
+    assert GRIDS["beta"].judges_beta_rule and not HEADLINE.judges_beta_rule
 
 
 def test_grid_sizes_counted_by_hand():
@@ -44,37 +75,30 @@ def test_grid_sizes_counted_by_hand():
     assert cells("small") == 1 * 4 * 1 * 1
     assert cells("cot") == 1 * 7 * 3 * 1
     assert cells("beta") == 2 * 7 * 3 * 3
+    assert cells("full") == 2 * len(PAPER_METHODS) * 3 * 3
 
 
 def test_the_demo_fixes_its_weight_and_runs_the_calibrated_arm():
-    demo = GRIDS["demo"]
-    assert demo.sets == ("math_post",) and demo.seeds == (42,) and demo.coefficients == {"lbl": 0.01}
-    assert demo.arms[-1] == CALIBRATED and CALIBRATED.calibrated and CALIBRATED.method == "rpb"
-    assert demo.post is None  # the demo keeps PostRecipe()
+    assert DEMO.sets == ("math_post",) and DEMO.seeds == (42,) and DEMO.coefficients == {"lbl": 0.01}
+    assert DEMO.arms[-1] == CALIBRATED and CALIBRATED.calibrated and CALIBRATED.method == "rpb"
+    assert DEMO.post is None  # the demo keeps PostRecipe()
+    assert set(DEMO.tables) - {"main", "forms", "controls", "mechanism"} <= set(DEMO.table_kinds)
 
 
 def test_the_study_recipes():
     assert (STUDY_POST.eval_id, STUDY_POST.eval_ood) == (500, 300)
     assert STUDY_POST.score_parts == ("validation", "test")
     assert COT_POST.max_seq_len == 128 and COT_POST.eval_id == 500  # the grids' scoring, longer sequences
-    assert GRIDS["cot"].post is COT_POST and GRIDS["full"].post is STUDY_POST
+    assert GRIDS["cot"].post is COT_POST and FULL.post is STUDY_POST
 
 
-def test_transition_keys_name_both_levels():
-    assert TRANSITION_KEYS == (
-        "transition_nmi",
-        "transition_tvd",
-        "transition_row_jsd",
-        "transition_communities_base",
-        "step_transition_nmi",
-        "step_transition_tvd",
-        "step_transition_row_jsd",
-        "step_transition_communities_base",
-    )
+def test_every_table_a_grid_asks_for_is_a_kind_it_can_make():
+    from rpb.toyworld.study.tables import TABLES
+
+    for g in GRIDS.values():
+        if g.report is None:  # the paper's tables (a grid with its own report makes its own)
+            assert set(g.tables) <= set(TABLES) | set(g.table_kinds), g.name
 
 
-def test_table_weights_keep_only_weighted_methods():
-    weights = table_weights()
-    assert "sft" not in weights  # no anchor, nothing to weigh
-    assert all(isinstance(w, tuple) and w for w in weights.values())
-    assert GRIDS["full"].candidates == weights
+def test_the_paper_grids_try_the_methods_tables_weights():
+    assert FULL.candidates == table_weights() and "sft" not in table_weights()

@@ -20,25 +20,15 @@ def _demo(args) -> int:
     )
 
 
-def experiment_grids() -> dict:
-    """``rpb experiment``'s grids by name: the study's, the frequency-prior grid and the reinforcement-learning
-    grid."""
-    from rpb.toyworld.frequency import FREQUENCY_GRID
-    from rpb.toyworld.grids import GRIDS
-    from rpb.toyworld.revert import REVERT_GRID
-    from rpb.toyworld.rl import RL_GRID
-
-    return {**GRIDS, FREQUENCY_GRID.name: FREQUENCY_GRID, RL_GRID.name: RL_GRID, REVERT_GRID.name: REVERT_GRID}
-
-
 def _experiment(args) -> int:
-    from rpb.toyworld.across import run_grid
-    from rpb.toyworld.lanes import default_lanes
-    from rpb.toyworld.shipping import resume_from, ship
+    from rpb.toyworld.grids import find
+    from rpb.toyworld.study.across import run_grid
+    from rpb.toyworld.study.lanes import default_lanes
+    from rpb.toyworld.study.shipping import resume_from, ship
 
     started = time.perf_counter()
-    grid = experiment_grids()[args.grid]
-    out = args.out or f"rpb-experiment-{args.grid}"
+    grid = find(args.grid)
+    out = args.out or f"rpb-experiment-{grid.name}"
     if args.ship:
         print(ship(grid, out, args.ship, args.cache_dir))
         return 0
@@ -61,6 +51,8 @@ def _experiment(args) -> int:
 
 def add_commands(add) -> None:
     """``add(name, help=...)`` makes a subparser of ``rpb`` that takes the options every command shares."""
+    from rpb.toyworld.grids import DEFAULT, grids
+
     d = add("demo", help="the paper's study in miniature: toy base -> prior -> sft, lbl, rpb -> table")
     d.add_argument("--out", default="rpb-demo")
     d.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")
@@ -76,15 +68,11 @@ def add_commands(add) -> None:
     x = add("experiment", help="the toy-world study: every anchor x seeds x post-training sets, tables")
     x.add_argument(
         "--grid",
-        default="small",
-        choices=["headline", "full", "small", "beta", "beta-frequency", "cot", "rl", "revert"],
-        help="headline: sft, lbl, rpb, rpb at the calibrated beta x 5 seeds x 2 sets x 3 bases; full: every method "
-        "x 3 seeds x 2 sets x 3 bases; beta: rpb over beta, likewise; beta-frequency: rpb with the selection-frequency "
-        "prior at betas 0.25 and 1, paired with the beta grid's cells; small: 4 methods x 1 seed on the math set; "
-        "cot: sft, lbl, rpb and the four within-* controls x 3 seeds on the long-trace set, base 0, with "
-        "transition retention; rl: GRPO from each base's sft cell, 8 arms (replay, GSPO, anchors) x 3 seeds x 3 bases; "
-        "revert: the full grid's sft, rpb, kl-to-base and the rl grid's grpo, R3 retrained x 3 seeds x 3 bases, each "
-        "run with the base's routers put back on the trained set and the four pretraining domains",
+        default=DEFAULT,
+        metavar="GRID",
+        help="a grid of rpb.toyworld.grids by name, or module:ATTR for a grid of one's own (any importable module's "
+        "grid ATTR; docs/toyworld.md); the shipped grids: "
+        + "; ".join(f"{g.name}: {g.about}" for g in grids().values()),
     )
     x.add_argument("--out", help="output directory (default: rpb-experiment-<grid>); rerun to resume")
     x.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")

@@ -13,10 +13,10 @@ import json
 import time
 from pathlib import Path
 
-from rpb.toyworld.experiment import Study
-from rpb.toyworld.grids import GRIDS
-from rpb.toyworld.lanes import default_lanes, lane_threads
-from rpb.toyworld.world import PostRecipe, base_dir, shipped_base
+from rpb.toyworld.grids.demo import GRID
+from rpb.toyworld.study.cells import Study
+from rpb.toyworld.study.lanes import default_lanes, lane_threads
+from rpb.toyworld.world.post import PostRecipe, base_dir, shipped_base
 
 
 def run_demo(
@@ -26,9 +26,9 @@ def run_demo(
     from_scratch: bool = False,
     lanes: int | None = None,
 ) -> int:
-    """``lanes``: processes side by side (rpb.toyworld.lanes; default one per usable core)."""
+    """``lanes``: processes side by side (rpb.toyworld.study.lanes; default one per usable core)."""
     started = time.perf_counter()
-    grid = GRIDS["demo"]
+    grid = GRID
     lanes = lanes or default_lanes()
     study = Study(
         Path(out_dir),

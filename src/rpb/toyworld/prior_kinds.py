@@ -123,8 +123,8 @@ def table(comparisons: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rpb.toyworld.across import studies
-    from rpb.toyworld.frequency import FREQUENCY_GRID
+    from rpb.toyworld.grids.beta_frequency import GRID as FREQUENCY_GRID
+    from rpb.toyworld.study.across import studies
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="the beta-frequency grid's run folder (rpb experiment --out)")
