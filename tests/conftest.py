@@ -28,6 +28,32 @@ from rpb.testing.models import build_tiny_model
 from rpb.testing.tokenizers import moonlight_tokenizer
 from tests.extra_tokenizers import CharSlowTokenizer, chatml_tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
+#: test files whose session fixture is too costly to build on both workers (a miniature grid run to the end):
+#: under ``make test`` (pytest-xdist ``--dist loadgroup``) each group runs on one worker; every other file is a
+#: group of its own, as ``--dist loadfile`` would send it
+SHARED_FIXTURES = {
+    "rl_finished": (
+        "toyworld/study/test_rl.py",
+        "toyworld/study/test_rl_report.py",
+        "toyworld/study/test_rl_figures.py",
+    ),
+    "revert_finished": ("toyworld/grids/test_revert_study.py", "toyworld/grids/test_revert_report.py"),
+}
+
+
+def xdist_group_of(path: Path) -> str:
+    """The worker group of a test file: its shared fixture's, else the file itself."""
+    rel = path.resolve().relative_to(ROOT / "tests").as_posix()
+    return next((name for name, files in SHARED_FIXTURES.items() if rel in files), rel)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.path)))
+
 
 @pytest.fixture(scope="session")
 def moon_tok():

@@ -1,0 +1,32 @@
+"""``make test``'s two workers: each file runs whole on one worker, and the files that share a costly session fixture
+run on the same one (tests/conftest.py), so that the fixture is built once a run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import SHARED_FIXTURES, xdist_group_of
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def fixture_users(name: str) -> set[str]:
+    """The test files (relative to tests/) with a test or fixture that takes ``name`` as an argument."""
+    found = set()
+    for path in TESTS.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.FunctionDef) and any(a.arg == name for a in node.args.args):
+                found.add(path.relative_to(TESTS).as_posix())
+    return found - {"toyworld/conftest.py"}  # where the fixtures are made
+
+
+def test_every_file_that_takes_a_shared_fixture_is_in_its_group():
+    for name, files in SHARED_FIXTURES.items():
+        assert fixture_users(name) == set(files), name
+
+
+def test_a_file_is_its_own_group_unless_it_shares_a_fixture():
+    assert xdist_group_of(TESTS / "test_prior.py") == "test_prior.py"
+    assert xdist_group_of(TESTS / "toyworld" / "study" / "test_rl_report.py") == "rl_finished"
+    assert xdist_group_of(TESTS / "toyworld" / "grids" / "test_revert_report.py") == "revert_finished"
