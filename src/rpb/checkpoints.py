@@ -34,12 +34,19 @@ class ResumeError(RpbError):
     """The checkpoint to resume from is incomplete, missing, or belongs to another set-up."""
 
 
-def run_record(cfg, *, base_routers_sha256: str, data_sha256: str, prior_sha256: str | None) -> dict:
-    """What a resumed run must share with the interrupted one."""
+def run_record(
+    cfg, *, base_routers_sha256: str, data_sha256: str, prior_sha256: str | None, data_mix: dict | None = None
+) -> dict:
+    """What a resumed run must share with the interrupted one (``data_mix``: ``data.mix``'s record, whose files
+    and order it must share too)."""
+    mixed = {}
+    if data_mix:
+        files = [[s["path"], s["sha256"]] for s in data_mix["sources"][1:]]
+        mixed = {"mix": {"files": files, "order_sha256": data_mix["order_sha256"]}}
     return {
         "base": {"model": cfg.model, "routers_sha256": base_routers_sha256},
         "prior": {"path": cfg.prior, "sha256": prior_sha256},
-        "data": {"path": cfg.data_jsonl, "sha256": data_sha256},
+        "data": {"path": cfg.data_jsonl, "sha256": data_sha256, **mixed},
         "method": dataclasses.asdict(cfg.anchor),
         "lora": dataclasses.asdict(cfg.lora),
     }

@@ -78,6 +78,10 @@ class DataSection:
     #: the chat template's keyword arguments (``enable_thinking: true``, ``thinking: true``,
     #: ``reasoning_effort: high``): passed to every rendering; must equal the prior's
     chat_template_kwargs: dict = field(default_factory=dict)
+    #: other JSONL files whose rows take the places of some of the training file's (``rpb.data.mix``): a list of
+    #: ``{path: FILE, share: FRACTION}``, the shares of the training rows each takes (the rows and steps stay
+    #: the training file's); drawn with ``seed``, the order recorded in ``rpb_run.json``
+    mix: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -236,6 +240,15 @@ def validate(cfg: RunConfig) -> list[str]:
         out.append(f"data_jsonl: {cfg.data_jsonl} does not exist")
     out += anchor_problems(cfg.anchor, cfg.prior)
     method = METHODS.get(cfg.anchor.method)  # None: anchor_problems named it
+    if cfg.data.mix:
+        from rpb.data.mix import mix_problems
+
+        out += mix_problems(cfg.data.mix)
+        if method is not None and method.needs_prior:
+            out.append(
+                f"data.mix: anchor.method {method.name!r} reads a prior, which covers the training file row by row "
+                "and none of the mixed rows; mix with a method that reads no prior"
+            )
     if not cfg.prior and cfg.train.max_seq_len is None:
         out.append("train.max_seq_len: required when there is no prior to take it from")
     t = cfg.train

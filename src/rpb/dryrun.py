@@ -56,11 +56,16 @@ class DryRun:
     max_seq_len: int | None = None
     #: the prior's model fields were checked against the model's checkpoint files
     model_checked: bool = False
+    #: ``data.mix``'s record (``rpb.data.mix``), where the run mixes rows
+    mixed: dict | None = None
 
     def summary(self) -> str:
         lines = [f"{self.source}: configuration OK (anchor.method={self.cfg.anchor.method})"]
         if self.rows is not None:
             lines.append(f"  {self.rows} row(s) labelled, {self.truncated_rows} cut to max_seq_len={self.max_seq_len}")
+        if self.mixed is not None:
+            taken = ", ".join(f"{s['rows']} of {s['path']}" for s in self.mixed["sources"][1:])
+            lines.append(f"  data.mix: {taken} in the places of as many training rows (seed {self.mixed['seed']})")
         if self.cfg.prior:
             lines.append(f"  prior {self.cfg.prior}: file, values and data OK; chat template and settings match")
         return "\n".join([*lines, CHECKED if self.model_checked else UNCHECKED])
@@ -83,6 +88,7 @@ def dry_run(path: str | Path | None, overrides: list[str] = ()) -> DryRun:
         data = _rows(cfg, tokenizer, max_seq_len, (meta or {}).get("chat_template_date"), problems)
         if data is not None:
             report.rows, report.truncated_rows, report.max_seq_len = data.num_rows, data.truncated_rows, max_seq_len
+            report.mixed = _mix(cfg, data, tokenizer, max_seq_len, problems)
     if tokenizer is not None and meta is not None:
         _settings(cfg, tokenizer, meta, max_seq_len, problems)
     if meta is not None and cfg.model:
@@ -157,6 +163,29 @@ def _rows(cfg: RunConfig, tokenizer, max_seq_len: int, date: str | None, problem
         problems += [f"data_jsonl: {row.format(e.path)}" for row in e.errors]
     except RpbError as e:  # a template that cannot locate content at all
         problems.append(f"data_jsonl: {e}")
+    return None
+
+
+def _mix(cfg: RunConfig, data, tokenizer, max_seq_len: int, problems: list[str]) -> dict | None:
+    """``data.mix`` as the run mixes it: each extra file labelled (its bad rows named by their field), each share
+    against the file's rows; the mix's record where all is well."""
+    from rpb.data import DataError, load_labelled
+    from rpb.data.mix import mix, mix_problems, mix_sources
+
+    if not cfg.data.mix or mix_problems(cfg.data.mix):  # none, or named already by validate
+        return None
+    extras = []
+    for i, source in enumerate(mix_sources(cfg.data.mix)):
+        try:
+            extras.append((source, load_labelled(source.path, tokenizer, max_seq_len, cfg.data.chat_template_kwargs)))
+        except DataError as e:
+            problems += [f"data.mix[{i}].path: {row.format(e.path)}" for row in e.errors]
+    if len(extras) < len(cfg.data.mix):
+        return None
+    try:
+        return mix(data, extras, cfg.data.seed).record
+    except RpbError as e:
+        problems += [f"data.mix: {p}" for p in getattr(e, "problems", [str(e)])]  # the files too short
     return None
 
 

@@ -200,7 +200,17 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
     )
     if cfg.lora.enabled and cfg.train.gradient_checkpointing:
         handle.model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
-    dataset = ExampleDataset(data.examples, cfg.train.loss_on)
+    examples = data.examples
+    if cfg.data.mix:  # after the anchor: what it checks is the training file (a prior-reading method refuses a mix)
+        from rpb.data.mix import mix, mix_sources
+
+        extras = [
+            (s, load_labelled(s.path, tokenizer, max_seq_len, cfg.data.chat_template_kwargs))
+            for s in mix_sources(cfg.data.mix)
+        ]
+        mixed = mix(data, extras, cfg.data.seed)
+        examples, info["data_mix"] = mixed.examples, mixed.record
+    dataset = ExampleDataset(examples, cfg.train.loss_on)
     collator = AnchorCollator(pad_id=pad_id_of(tokenizer), pack=cfg.data.packing, max_len=max_seq_len)
     return PreparedRun(handle.model, tokenizer, dataset, collator, handle, max_seq_len, info, expert_mask)
 
@@ -328,6 +338,7 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
         base_routers_sha256=routers_sha256([lay.moe for lay in prepared.handle.layers], prepared.handle.facts),
         data_sha256=prepared.info["data_sha256"],
         prior_sha256=file_sha256(cfg.prior) if cfg.prior else None,
+        data_mix=prepared.info.get("data_mix"),
     )
     markers = [CompleteMarker(record)] if cfg.train.save_every else []
     trainer = AnchorTrainer(
