@@ -37,24 +37,42 @@ FSDP = ["train.fsdp=full_shard auto_wrap",
         'train.fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["DeepseekV3DecoderLayer"]}']  # fmt: skip
 
 
-@pytest.mark.parametrize(("method", "sharding"), [("rpb", []), ("router-l2", []), ("rpb", FSDP)])
-def test_two_processes_match_one(method, sharding, save_tiny, tmp_path):
-    """DDP (and FSDP2 through the Trainer) with 2 gloo processes == 1 process with the same global batch."""
+@pytest.fixture(scope="module")
+def one_process(save_tiny, tmp_path_factory):
+    """``one(method)``: the data, the prior, the run's shared settings and the one-process run of ``method`` with
+    the global batch of 4, made once for every two-process run it is compared with."""
+    tmp = tmp_path_factory.mktemp("one")
     model = save_tiny("moonlight")
-    data = write_jsonl(conversations(16, seed=7), tmp_path / "train.jsonl")
-    prior = tmp_path / "prior.safetensors"
+    data = write_jsonl(conversations(16, seed=7), tmp / "train.jsonl")
+    prior = tmp / "prior.safetensors"
     collect(str(model), data, prior, top_k=2, max_seq_len=192, progress=False)
-    common = [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"anchor.method={method}", "anchor.lambda=0.1",
-              "train.max_steps=3", "train.lr=1e-3", "train.log_every=1", "--no-progress"]  # fmt: skip
+    done = {}
+
+    def one(method: str) -> tuple[list[str], Path]:
+        common = [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"anchor.method={method}",
+                  "anchor.lambda=0.1", "train.max_steps=3", "train.lr=1e-3", "train.log_every=1",
+                  "--no-progress"]  # fmt: skip
+        if method not in done:
+            done[method] = tmp / method
+            run([sys.executable, "-m", "rpb", "train", f"output_dir={done[method]}", "train.batch_size=4", *common])
+        return common, done[method]
+
+    return model, one
+
+
+@pytest.mark.parametrize(("method", "sharding"), [("rpb", []), ("router-l2", []), ("rpb", FSDP)])
+def test_two_processes_match_one(method, sharding, one_process, tmp_path):
+    """DDP (and FSDP2 through the Trainer) with 2 gloo processes == 1 process with the same global batch."""
+    model, one_run = one_process
+    common, single = one_run(method)
     run([*TORCHRUN, "-m", "rpb", "train", f"output_dir={tmp_path / 'two'}", "train.batch_size=2", *common, *sharding])
-    run([sys.executable, "-m", "rpb", "train", f"output_dir={tmp_path / 'one'}", "train.batch_size=4", *common])
-    two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    two, one = load_file(tmp_path / "two" / "model.safetensors"), load_file(single / "model.safetensors")
     base = load_file(Path(model) / "model.safetensors")
     assert not all(torch.equal(base[k], one[k]) for k in base)  # it trained
     assert max(float((two[k] - one[k]).abs().max()) for k in one) <= 1e-5
     # the routing figures count both ranks' tokens: step 1 (identical weights) logs what one process logs
-    first = [next(json.loads(line) for line in (tmp_path / run_ / "log.jsonl").read_text().splitlines()
-                  if "loss" in json.loads(line)) for run_ in ("two", "one")]  # fmt: skip
+    first = [next(json.loads(line) for line in (run_ / "log.jsonl").read_text().splitlines()
+                  if "loss" in json.loads(line)) for run_ in (tmp_path / "two", single)]  # fmt: skip
     figures = {k for k in first[1] if k.startswith("moe/")}
     assert {"moe/layer_1/load_cv", "moe/layer_2/dead_experts", "moe/mean/bias_changed_fraction"} <= figures
     if method == "router-l2":
