@@ -70,7 +70,7 @@ class FrequencyArm(Arm):
 
 @dataclass(frozen=True)
 class FrequencyGrid(Grid):
-    """A grid whose probability arms are the paired grid's cells (``FrequencyStudy`` takes them as they are)."""
+    """A grid whose probability arms are the paired grid's cells (``PairedStudy`` takes them as they are)."""
 
     paired_grid: ClassVar[str] = PAIRED_GRID
 
