@@ -85,3 +85,15 @@ def test_a_difference_is_the_arm_minus_plain_grpo_on_the_same_seed(rl_finished):
              for r in results]  # fmt: skip
     rows = {r[0]: r for r in _section(scores_table(moved, "math_post", ("grpo", "grpo + lbl"), "grpo"), "math_post")}
     assert rows["grpo + lbl"][4].startswith("+7.5 [+5.0, +10.0]")
+
+
+def test_a_grid_without_claims_reports_none(rl_finished, tmp_path):
+    """A reinforcement-learning grid of one's own need not declare claims: its report says so and draws none."""
+    import dataclasses
+
+    study, results = rl_finished
+    tables = report_rl(dataclasses.replace(study.grid, claims=None), [study], results, tmp_path)
+    assert "(fixed before the first cell: none declared)" in tables
+    section = tables.split("### The claims", 1)[1].split("### What the grid could detect", 1)[0]
+    assert len([line for line in section.splitlines() if line.startswith("|")]) == 2  # the header alone
+    assert (tmp_path / "claims.svg").is_file() and (tmp_path / "tables.md").read_text() == tables

@@ -158,8 +158,10 @@ def report_rl(grid, studies: list, results: list[dict], out: Path) -> str:
     arms = tuple(a.label for a in grid.arms)
     post_set = grid.sets[0]
     r = grid.recipe
-    verdicts = grid.claims(results, grid.sets)
-    plain, source = reference_of(grid), grid.claims.__module__.replace(".", "/") + ".py"
+    # a grid without claims of its own reports none (its claims table and figure say so)
+    verdicts = grid.claims(results, grid.sets) if grid.claims else []
+    source = grid.claims.__module__.replace(".", "/") + ".py" if grid.claims else "none declared"
+    plain = reference_of(grid)
     parts = [
         f"# Toy-world study: grid `{grid.name}` on bases {[st.base_seed for st in studies]}",
         "",
