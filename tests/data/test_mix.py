@@ -66,6 +66,14 @@ def test_a_file_shorter_than_its_share_is_refused_by_name(files):
         _mixed(files, shares=(0.2, 0.3))
 
 
+def test_shares_that_round_up_to_every_training_row_are_refused(files):
+    """Three shares of 0.3 of 5 rows round to 2 rows each: 6 places asked of 5."""
+    paths, labelled = files
+    extras = [(MixSource(str(paths["math"]), 0.3), labelled["math"])] * 3
+    with pytest.raises(ConfigError, match="the shares take 6 of the training file's 5 rows; it must keep some"):
+        mix(labelled["code"], extras, 0)
+
+
 def test_every_problem_of_the_entries_is_named_at_once(files, tmp_path):
     paths, _ = files
     found = mix_problems(

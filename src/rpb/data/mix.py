@@ -85,6 +85,8 @@ def mix(main: LabelledData, extras: list[tuple[MixSource, LabelledData]], seed: 
         for (source, data), k in zip(extras, takes, strict=True)
         if k > data.num_rows
     ]
+    if sum(takes) >= n:  # the shares add up to under 1, but each is rounded
+        short.append(f"the shares take {sum(takes)} of the training file's {n} rows; it must keep some")
     if short:
         raise ConfigError("data.mix", short)
     generator = torch.Generator().manual_seed(seed)
