@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.study.claims import verdict_table
 from rpb.toyworld.study.figures import FOREST, Difference, write_figures
 from rpb.toyworld.study.grid import BASES, BETAS, SEEDS, STUDY_POST, Arm, Grid
 from rpb.toyworld.study.paired import PairedStudy
+from rpb.toyworld.study.report import write_across
 from rpb.toyworld.study.stats import (
     Verdict,
     equivalent,
@@ -249,11 +249,7 @@ def report_frequency(grid, studies: list, results: list[dict], out: Path) -> str
         verdict_table(verdicts, claim="claim (frequency vs probability)"),
     ]
     tables = "\n".join(parts)
-    write_text_atomic(out / "tables.md", tables)
-    write_json_atomic(
-        out / "results.json", sorted(results, key=lambda r: (r.get("base", 0), r["set"], r["arm"], r["seed"]))
-    )
-    write_json_atomic(out / "bases.json", {st.base_seed: st.base_facts() for st in studies})
+    write_across(out, tables, results, studies)
     write_figures(out, f"Grid `{grid.name}`: frequency minus probability prior", differences(results), verdicts)
     return tables
 

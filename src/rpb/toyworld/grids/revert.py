@@ -45,13 +45,13 @@ import numpy as np
 
 from rpb.anchors import get_method
 from rpb.errors import RpbError
-from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.grids.rl import GRID as RL_GRID
 from rpb.toyworld.study.cells import Study
 from rpb.toyworld.study.claims import verdict_table
 from rpb.toyworld.study.figures import CLAIMS, _figure, _style, _unique, claims, save
 from rpb.toyworld.study.grid import BASES, SEEDS, STUDY_POST, Arm, Conduct
 from rpb.toyworld.study.paired import SHIPPED_RESULTS
+from rpb.toyworld.study.report import write_across
 from rpb.toyworld.study.rl import RLGrid, RLStudy
 from rpb.toyworld.study.stats import Verdict, greater, holm, interval, two_stage_bootstrap
 from rpb.toyworld.study.tables import bases_table, machine_mix, mean_sd
@@ -361,10 +361,7 @@ def report_revert(grid, studies: list, results: list[dict], out: Path) -> str:
     ]
     tables = "\n".join(parts)
     out = Path(out)
-    write_text_atomic(out / "tables.md", tables)
-    ordered = sorted(results, key=lambda c: (c.get("base", 0), c["set"], c["arm"], c["seed"]))
-    write_json_atomic(out / "results.json", [{k: v for k, v in c.items() if k != "rl"} for c in ordered])
-    write_json_atomic(out / "bases.json", {st.base_seed: st.base_facts() for st in studies})
+    write_across(out, tables, results, studies, lambda c: {k: v for k, v in c.items() if k != "rl"})
     save(revert_figure(results, grid.domains, f"Grid `{grid.name}`", arms), out / REVERT_FIGURE)
     save(claims(verdicts, f"Grid `{grid.name}`"), out / CLAIMS)
     return tables

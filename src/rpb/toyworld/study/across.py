@@ -17,11 +17,11 @@ from pathlib import Path
 
 from rpb.anchors import AnchorConfig, get_method
 from rpb.errors import RpbError
-from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.study.cells import Study
 from rpb.toyworld.study.claims import judge, verdict_table
 from rpb.toyworld.study.figures import Difference, write_figures
 from rpb.toyworld.study.grid import Grid
+from rpb.toyworld.study.report import write_across
 from rpb.toyworld.study.stats import (
     interval,
     minimal_detectable_difference,
@@ -203,11 +203,7 @@ def report_across(grid, studies: list, results: list[dict], out: Path) -> str:
     verdicts = (grid.claims or judge)(results, grid.sets)
     parts += ["### The paper's claims, judged by rule (docs/toyworld.md)", "", verdict_table(verdicts)]
     tables = "\n".join(parts)
-    write_text_atomic(out / "tables.md", tables)
-    write_json_atomic(
-        out / "results.json", sorted(results, key=lambda r: (r.get("base", 0), r["set"], r["arm"], r["seed"]))
-    )
-    write_json_atomic(out / "bases.json", {st.base_seed: st.base_facts() for st in studies})
+    write_across(out, tables, results, studies)
     write_figures(out, f"Grid `{grid.name}`", [d for s in grid.sets for d in found[s]], verdicts)
     return tables
 

@@ -3,6 +3,8 @@ its figures, written as tables.md beside results.json, from the cells' results a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.study.inputs import StudyInputs
 
@@ -69,3 +71,13 @@ def write_report(study: StudyInputs, results: list[dict], weights: dict[str, flo
     write_text_atomic(study.out / "tables.md", text)
     write_json_atomic(study.out / "results.json", sorted(results, key=lambda r: (r["set"], r["arm"], r["seed"])))
     return tables
+
+
+def write_across(out: Path, tables: str, results: list[dict], studies: list, cell=None) -> None:
+    """A report across bases' files beside its figures: tables.md, results.json (the cells by base, set, arm and
+    seed; ``cell(result)``: what of each the file keeps, all of it without one) and bases.json (each base's facts)."""
+    out = Path(out)
+    write_text_atomic(out / "tables.md", tables)
+    ordered = sorted(results, key=lambda r: (r.get("base", 0), r["set"], r["arm"], r["seed"]))
+    write_json_atomic(out / "results.json", [cell(r) for r in ordered] if cell else ordered)
+    write_json_atomic(out / "bases.json", {st.base_seed: st.base_facts() for st in studies})

@@ -10,9 +10,9 @@ import json
 import statistics
 from pathlib import Path
 
-from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.toyworld.study.claims import verdict_table
 from rpb.toyworld.study.figures import CLAIMS, claims, save
+from rpb.toyworld.study.report import write_across
 from rpb.toyworld.study.rl_figures import RL_FIGURE, final_reward, write_rl_figure
 from rpb.toyworld.study.stats import (
     interval,
@@ -187,10 +187,7 @@ def report_rl(grid, studies: list, results: list[dict], out: Path) -> str:
     ]
     tables = "\n".join(parts)
     out = Path(out)
-    write_text_atomic(out / "tables.md", tables)
-    ordered = sorted(results, key=lambda c: (c.get("base", 0), c["set"], c["arm"], c["seed"]))
-    write_json_atomic(out / "results.json", [_compact(c) for c in ordered])
-    write_json_atomic(out / "bases.json", {st.base_seed: st.base_facts() for st in studies})
+    write_across(out, tables, results, studies, _compact)
     write_rl_figure(out, f"Grid `{grid.name}`", results)
     save(claims(verdicts, f"Grid `{grid.name}`"), out / CLAIMS)
     return tables
