@@ -76,6 +76,14 @@ def main(out: Path) -> None:
     if rank == 0:
         result["log_history"] = trainer.state.log_history
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():
+        # gloo's threads outliving the interpreter abort the process at exit ("terminate called without an
+        # active exception") once in a while: every rank's file is written, so meet and leave at once
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
