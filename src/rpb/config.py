@@ -228,6 +228,9 @@ def anchor_problems(anchor: AnchorConfig, prior: str | None, where: str = "") ->
         out.append(f"{where}prior: required by anchor.method {method.name!r} (collect one with `rpb collect`)")
     if prior and not Path(prior).is_file():
         out.append(f"{where}prior: {prior} does not exist")
+    routes = anchor.routes if method is not None and method.teacher and anchor.base == "routes" else None
+    if routes and not Path(routes).is_file():
+        out.append(f"{where}anchor.routes: {anchor.routes} does not exist")
     return out
 
 
@@ -248,6 +251,11 @@ def validate(cfg: RunConfig) -> list[str]:
             out.append(
                 f"data.mix: anchor.method {method.name!r} reads a prior, which covers the training file row by row "
                 "and none of the mixed rows; mix with a method that reads no prior"
+            )
+        if method is not None and method.teacher and cfg.anchor.base == "routes":
+            out.append(
+                "data.mix: anchor.base=routes reads a route file of the training file, which holds none of the mixed "
+                "rows' routes; mix with anchor.base=online"
             )
     if not cfg.prior and cfg.train.max_seq_len is None:
         out.append("train.max_seq_len: required when there is no prior to take it from")

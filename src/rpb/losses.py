@@ -72,3 +72,40 @@ def logit_l2(logits_TE: torch.Tensor, base_logits_TE: torch.Tensor, valid_T: tor
     z = logits_TE.float()
     diff_TE = (z - z.mean(-1, keepdim=True)) - (base_logits_TE - base_logits_TE.mean(-1, keepdim=True))
     return _masked_mean_T(diff_TE.pow(2).sum(-1), valid_T)
+
+
+# ---- the routing-level and output-level anchors (the base's own forward as teacher) ----------------------------
+
+
+def routing_kd_topk(
+    logits_TE: torch.Tensor,
+    base_ids_TK: torch.Tensor,
+    base_probs_TK: torch.Tensor | None,
+    valid_T: torch.Tensor,
+    transform: str,
+) -> torch.Tensor:
+    """``routing-kd`` from stored routes: the base's top-k experts of each token (``base_ids_TK``) against the
+    current router's distribution p. With the base's probabilities at those experts (``base_probs_TK``, renormalised
+    here over the k to q̂), sum_k q̂_k (log q̂_k - log p_k): the KL of the base's top-k part; with ids alone the set
+    cross-entropy, -mean_k log p_k. Both reach 0 only where p puts all its mass on the base's experts (the
+    ids alone) or matches q̂ there, so the term pulls the routing towards the base's choice, not towards its
+    logits."""
+    log_p_TE = router_probs(logits_TE, transform).clamp_min(1e-30).log()
+    log_p_TK = log_p_TE.gather(-1, base_ids_TK.long())
+    if base_probs_TK is None:
+        return _masked_mean_T(-log_p_TK.mean(-1), valid_T)
+    q_TK = base_probs_TK.float()
+    q_TK = q_TK / q_TK.sum(-1, keepdim=True).clamp_min(1e-30)
+    return _masked_mean_T((q_TK * (q_TK.clamp_min(1e-30).log() - log_p_TK)).sum(-1), valid_T)
+
+
+def output_kd(logits_BTV: torch.Tensor, base_logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """``output-kd``: mean over the language-model loss's tokens of KL(base next-token distribution || the model's).
+    Position t predicts token t + 1, so it counts where ``labels_BT[:, t + 1]`` is not -100 (the tokens the
+    loss trains: the answers under ``loss_on="answer"``), as the causal-LM loss pairs them."""
+    keep_BT = torch.zeros_like(labels_BT, dtype=torch.bool)
+    keep_BT[:, :-1] = labels_BT[:, 1:] != -100
+    log_p = torch.log_softmax(logits_BTV[keep_BT].float(), dim=-1)
+    log_q = torch.log_softmax(base_logits_BTV[keep_BT].float(), dim=-1)
+    per_token = (log_q.exp() * (log_q - log_p)).sum(-1)
+    return per_token.sum() / max(per_token.numel(), 1)

@@ -80,12 +80,16 @@ def attach_anchor(
     progress: bool = True,
     lora: LoraSection | None = None,
     seed: int = 42,
+    experts_implementation: str | None = None,
 ) -> tuple[AnchorHandle, dict]:
     """Check the prior (``artifact``, may be None for methods without one) against this model,
     tokenizer and labelled data file, wrap the model with LoRA if ``lora`` says so, then install the
     anchor (on the wrapped model: ``handle.model``); returns the handle and what the run records
     (method, rows, the shuffled controls' permutations). ``rpb train`` and the TRL integration both
-    start here, so they refuse the same mismatches with the same errors."""
+    start here, so they refuse the same mismatches with the same errors. routing-kd and output-kd get their base
+    (``handle.teacher``, ``rpb.teacher``): the route file, checked against this data and model before the LoRA
+    wrap, or the online base after it (adapters off under LoRA; else a frozen copy of ``model_id`` with the
+    training model's ``experts_implementation``)."""
     method = get_method(anchor_cfg.method)
     if method.needs_prior and artifact is None:
         raise ArgumentError(f"anchor.method={method.name} needs a prior (`rpb collect`); none was given")
@@ -141,6 +145,20 @@ def attach_anchor(
         num_experts = int(layers[0].router.weight.shape[0])
         sigma_LE = layer_permutations(labels_LE, num_experts, anchor_cfg.shuffle_seed, method.shuffle, len(layers))
         info["shuffle"] = {"mode": method.shuffle, "seed": anchor_cfg.shuffle_seed, "sigma": sigma_LE.tolist()}
+    stored = None
+    if method.teacher is not None and anchor_cfg.base == "routes":
+        from rpb.teacher import load_stored_routes
+
+        stored = load_stored_routes(
+            anchor_cfg.routes,
+            data,
+            routers_sha256=routers_sha256(layers, facts),
+            moe_layers=[m.layer_index for m in layers],
+            num_layers=int(model.config.get_text_config().num_hidden_layers),
+            top_k=int(getattr(model.config, facts.top_k_config)),
+            num_experts=int(layers[0].router.weight.shape[0]),
+            transform=anchor_cfg.router_transform,
+        )
     if lora is not None and lora.enabled:
         from rpb.lora import apply_lora
 
@@ -154,6 +172,20 @@ def attach_anchor(
         sigma_LE=sigma_LE,
         adapter=adapter,
     )
+    if method.teacher is not None:
+        if stored is None:
+            from rpb.teacher import online_base
+
+            stored = online_base(
+                handle.model,
+                facts,
+                model_id=model_id,
+                dtype=anchor_cfg.base_dtype,
+                outputs=method.teacher == "output",
+                experts_implementation=experts_implementation,
+            )
+        handle.teacher = stored
+        info["base"] = stored.describe()
     return handle, info
 
 
@@ -197,6 +229,7 @@ def prepare_run(cfg: RunConfig, progress: bool = True) -> PreparedRun:
         progress=progress,
         lora=cfg.lora,
         seed=cfg.train.seed,
+        experts_implementation=cfg.train.experts_implementation,
     )
     if cfg.lora.enabled and cfg.train.gradient_checkpointing:
         handle.model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input

@@ -54,6 +54,7 @@ class AnchorTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         sample_BT, span_BT = self._token_keys(inputs)
         self.anchor.record_stats = True  # every step of the logging window counts (rpb.anchors.stats)
+        self._sample_BT = sample_BT  # the rows the base's stored routes are read by (compute_loss)
         with self.anchor.step(sample_BT, span_BT, inputs.get("attention_mask")):
             return super().training_step(model, inputs, num_items_in_batch)
 
@@ -72,14 +73,31 @@ class AnchorTrainerMixin:
         return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # the base's routing first (routing-kd, output-kd): the batch is on its device here, inside the step
+        ctx = self.anchor._context
+        output_kd = model.training and self.anchor.method.teacher == "output"
+        if model.training and ctx is not None and self.anchor.teacher is not None:
+            ctx.base = self.anchor.base_routing(inputs, self._sample_BT)
+        labels = inputs.get("labels")
         # ``return_outputs`` passes through: TRL's SFTTrainer runs a second forward to build logits when asked
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        loss, outputs = result if return_outputs else (result, None)
-        if model.training and self.anchor.method.loss is not None:
-            term = self.anchor.loss()
+        result = super().compute_loss(model, inputs, return_outputs or output_kd, num_items_in_batch)
+        loss, outputs = result if (return_outputs or output_kd) else (result, None)
+        if model.training and (self.anchor.method.loss is not None or output_kd):
+            term = self.anchor.loss() if not output_kd else self._output_kd(outputs, labels, ctx)
             self._anchor_terms.append(float(term.detach()))
             loss = loss + term / self._anchor_divisor(num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _output_kd(self, outputs, labels, ctx) -> torch.Tensor:
+        """output-kd's term: lambda x KL(base next-token distribution || the model's) over the loss's tokens."""
+        from rpb.losses import output_kd
+
+        if labels is None or ctx is None or ctx.base is None or ctx.base.output_BTV is None:
+            raise RuntimeError(
+                "output-kd: the step has no labels or no base forward (anchor.base=online); the loss's tokens and "
+                "the base's next-token distribution are both needed"
+            )
+        return self.anchor.config.lambda_ * output_kd(outputs.logits, ctx.base.output_BTV, labels)
 
     def _anchor_divisor(self, num_items_in_batch) -> int:
         """The anchor's term is a per-micro-batch mean: over an accumulated batch it must count once,

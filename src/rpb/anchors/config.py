@@ -8,6 +8,9 @@ from rpb.anchors.methods import get_method
 from rpb.errors import ArgumentError
 from rpb.prior import DEFAULT_CLIP, DEFAULT_EPS, ROUTER_TRANSFORMS, RouterTransform
 
+#: ``anchor.base``: where routing-kd and output-kd read the base from
+BASE_SOURCES = ("online", "routes")
+
 
 @dataclass
 class AnchorConfig:
@@ -35,6 +38,14 @@ class AnchorConfig:
     router_transform: RouterTransform | None = None
     #: Louvain resolution for the base communities of the within-* controls
     community_resolution: float = 1.0
+    #: routing-kd / output-kd: where the base's routing comes from (``rpb.teacher``): "online", a no-grad forward
+    #: of the base on each batch (LoRA: the adapters disabled; full fine-tuning: a frozen copy), or "routes", a
+    #: route file of the base for exactly the training file (routing-kd only; no second model)
+    base: str = "online"
+    #: anchor.base=routes: the route file (``rpb routes [--with-probs]``, or an engine's routes; docs/collect.md)
+    routes: str | None = None
+    #: anchor.base=online under full fine-tuning: the frozen copy's dtype (None: the training dtype)
+    base_dtype: str | None = None
 
     def problems(self) -> list[str]:
         """Every problem with this configuration (empty when valid)."""
@@ -53,6 +64,28 @@ class AnchorConfig:
             out.append(f"anchor.beta: must be >= 0, got {self.beta}")
         if self.router_transform is not None and self.router_transform not in ROUTER_TRANSFORMS:
             out.append(f"anchor.router_transform: one of {ROUTER_TRANSFORMS}, got {self.router_transform!r}")
+        return out + self._base_problems(method.teacher)
+
+    def _base_problems(self, teacher: str | None) -> list[str]:
+        if self.base not in BASE_SOURCES:
+            return [f"anchor.base: one of {BASE_SOURCES}, got {self.base!r}"]
+        out = []
+        if teacher is None:
+            unused = [f for f in ("routes", "base_dtype") if getattr(self, f) is not None]
+            out += [f"anchor.{f}: read only by routing-kd and output-kd, not by {self.method!r}" for f in unused]
+            return out
+        if self.base == "routes":
+            if teacher == "output":
+                out.append(
+                    "anchor.base=routes: output-kd needs the base's next-token distribution, which a route file does "
+                    "not hold; use anchor.base=online"
+                )
+            if self.routes is None:
+                out.append("anchor.routes: required by anchor.base=routes (the base's route file: `rpb routes`)")
+            if self.base_dtype is not None:
+                out.append("anchor.base_dtype: the frozen copy's dtype, read only with anchor.base=online")
+        elif self.routes is not None:
+            out.append("anchor.routes: read only with anchor.base=routes (this run's base is online)")
         return out
 
     def coefficient(self) -> float | None:

@@ -9,10 +9,14 @@ backward and must see the same bias.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from rpb.prior import STRUCTURAL
+
+if TYPE_CHECKING:
+    from rpb.teacher import BaseRouting
 
 
 @dataclass
@@ -28,6 +32,9 @@ class TokenContext:
     #: the weight of each token in the token terms' mean (None: valid tokens alike). GRPO gives completion
     #: tokens its own loss's weights (``rpb.integrations.trl.scaling``), normalised to sum 1
     weight_T: torch.Tensor | None = None
+    #: the base's own routing of this step's tokens (``rpb.teacher``), for routing-kd and output-kd; the trainer
+    #: sets it before the training forward (``AnchorHandle.base_routing``)
+    base: BaseRouting | None = None
 
     @classmethod
     def from_batch(

@@ -81,6 +81,9 @@ class AnchorHandle:
     taps: list = field(default_factory=list)
     #: inside ``unobserved()``: forwards the taps and the statistics leave out
     _unobserved: bool = False
+    #: routing-kd / output-kd: where the base's routing comes from (``rpb.teacher``: ``OnlineBase`` or
+    #: ``StoredRoutes``; ``rpb.train.attach_anchor`` sets it), None for the other methods
+    teacher: object | None = None
 
     # ---- step context --------------------------------------------------------------
     @contextlib.contextmanager
@@ -122,6 +125,16 @@ class AnchorHandle:
             yield self
         finally:
             self._unobserved = was
+
+    def base_routing(self, inputs: dict, sample_BT: torch.Tensor):
+        """The base's routing of a batch (``rpb.teacher.BaseRouting``) for ``TokenContext.base``: the online base's
+        forward on ``inputs`` (the batch as the model takes it, on its device), or the stored routes of the tokens'
+        rows (``sample_BT``). None without a teacher."""
+        if self.teacher is None:
+            return None
+        if hasattr(self.teacher, "offsets_N"):  # stored routes: the rows and positions say which
+            return self.teacher.step(sample_BT)
+        return self.teacher.step(inputs)
 
     def loss(self) -> torch.Tensor:
         """The anchor's loss term for the last forward (coefficient applied; 0 for none)."""
@@ -218,11 +231,34 @@ class AnchorHandle:
         if "base_logits" in reads:
             hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()
             state.base_logits_TE = layer.base_logits(hidden_TH)
+        if "base_routing" in reads:
+            self._base_routing_into(state, layer, logits_TE)
         if "weights" in reads:
             state.weights = ((module.weight, layer.base_weight_EH),)
             if layer.base_bias_E is not None:
                 state.weights += ((getattr(module, self.facts.router_bias), layer.base_bias_E),)
         return self.method.loss.term(state)
+
+    def _base_routing_into(self, state: RouterState, layer: _Layer, logits_TE: torch.Tensor) -> None:
+        base = self._context.base
+        if base is None:
+            raise RuntimeError(
+                f"{self.method.name}: this step carries no base routing; the trainer runs the base before the "
+                "training forward (rpb's AnchorTrainer and TRL trainers do). In a loop of your own: "
+                "ctx.base = handle.base_routing(batch, sample_index_BT) inside handle.step(...)"
+            )
+        pos = next(i for i, lay in enumerate(self.layers) if lay is layer)
+        if base.num_tokens != logits_TE.shape[0]:
+            raise RuntimeError(
+                f"{self.method.name}: the base's routing covers {base.num_tokens} tokens, router {layer.moe.name} "
+                f"saw {logits_TE.shape[0]}: it was made for another batch"
+            )
+        device = logits_TE.device
+        if base.logits_LTE is not None:
+            state.routing_logits_TE = base.logits_LTE[pos].to(device)
+        else:
+            state.routing_ids_TK = base.ids_LTK[pos].to(device)
+            state.routing_probs_TK = None if base.probs_LTK is None else base.probs_LTK[pos].to(device)
 
     @torch.no_grad()
     def _record(self, pos: int, ids_TK, native_ids_TK, valid_T, content_T, term, hidden) -> None:
@@ -259,7 +295,7 @@ class AnchorHandle:
         that wrapped this one's model after installation (PEFT replaces or copies routers)."""
         self.remove()
         prior = self.prior
-        return install_anchor(
+        handle = install_anchor(
             model,
             self.config,
             prior=prior.pi_NSLE if prior else None,
@@ -267,6 +303,8 @@ class AnchorHandle:
             adapter=self.facts.model_type,
             record_stats=self.record_stats,
         )
+        handle.teacher = self.teacher
+        return handle
 
     def remove(self) -> None:
         self._hooks.remove()

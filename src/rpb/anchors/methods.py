@@ -15,6 +15,8 @@
 | `router-freeze` | router weights frozen (today's strictest practice) |  |
 | `within-transition-soft` | `rpb` on the prior shuffled within base transition communities (rpb's own) | prior |
 | `within-transition-hard` | `rpb-hard` on the prior shuffled within base transition communities (rpb's own) | prior |
+| `routing-kd` | + `lambda` × mean KL(q_base ‖ p) over tokens, layers; q_base: base's own forward | `lambda`, base |
+| `output-kd` | + `lambda` × mean KL(base next-token distribution ‖ model's) over the loss's tokens | `lambda`, base |
 
 (``methods_table()`` renders this table from ``METHODS``; a test keeps it, and docs/methods.md's, in step.)
 
@@ -38,7 +40,7 @@ from rpb import losses
 from rpb.errors import ArgumentError
 
 #: what a loss term may read of a router in one step (``RouterState``'s fields)
-LossInput = Literal["logits", "base_logits", "weights"]
+LossInput = Literal["logits", "base_logits", "weights", "base_routing"]
 
 
 @dataclass
@@ -48,6 +50,10 @@ class RouterState:
     ``logits_TE`` are the router's logits for the step's tokens and ``valid_T`` the tokens that
     count (not padding); ``base_logits_TE`` the frozen base router's logits on the same router
     input, float32; ``weights`` pairs each router parameter with its frozen float32 base copy.
+    The base's own routing of the same tokens (``rpb.teacher``), on the base's own hidden states:
+    ``routing_logits_TE`` (online: the base router's logits in the base's forward) or
+    ``routing_ids_TK`` with ``routing_probs_TK`` (stored routes: its top-k, and its probabilities
+    there or None).
     """
 
     score_function: str
@@ -58,6 +64,9 @@ class RouterState:
     valid_T: torch.Tensor | None = None
     base_logits_TE: torch.Tensor | None = None
     weights: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    routing_logits_TE: torch.Tensor | None = None
+    routing_ids_TK: torch.Tensor | None = None
+    routing_probs_TK: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ class LossAnchor:
     @property
     def from_forward(self) -> bool:
         """The term needs the step's forward (its logits), not the router's weights alone."""
-        return bool(self.reads & {"logits", "base_logits"})
+        return bool(self.reads & {"logits", "base_logits", "base_routing"})
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,9 @@ class Method:
     tables: tuple[str, ...] = ()
     #: one of the paper's methods (the toy world's ``full`` grid), or a control this project adds
     in_paper: bool = True
+    #: what the base model teaches (``rpb.teacher``): "routing" (its routing on its own hidden states, per token and
+    #: layer) or "output" (its next-token distribution); None: no base forward or route file
+    teacher: Literal["routing", "output"] | None = None
 
     @property
     def needs_prior(self) -> bool:
@@ -116,7 +128,7 @@ class Method:
     def needs(self) -> list[str]:
         """What the configuration must supply, as the methods table says it."""
         out = [f"`{self.coefficient.rstrip('_')}`"] if self.coefficient else []
-        return out + (["prior"] if self.needs_prior else [])
+        return out + (["prior"] if self.needs_prior else []) + (["base"] if self.teacher else [])
 
 
 def _lbl(s: RouterState) -> torch.Tensor:
@@ -138,6 +150,16 @@ KL_TO_BASE = LossAnchor(
     lambda s: losses.kl_to_base(s.logits_TE, s.base_logits_TE, s.valid_T, s.transform),
     frozenset({"logits", "base_logits"}),
 )
+
+
+def _routing_kd(s: RouterState) -> torch.Tensor:
+    if s.routing_ids_TK is not None:  # stored routes: the base's top-k (and its probabilities there)
+        return losses.routing_kd_topk(s.logits_TE, s.routing_ids_TK, s.routing_probs_TK, s.valid_T, s.transform)
+    # online: KL(q || p) with q from the base's own forward, which is kl-to-base's formula on other base logits
+    return losses.kl_to_base(s.logits_TE, s.routing_logits_TE, s.valid_T, s.transform)
+
+
+ROUTING_KD = LossAnchor(_routing_kd, frozenset({"logits", "base_routing"}))
 LOGIT_L2 = LossAnchor(
     lambda s: losses.logit_l2(s.logits_TE, s.base_logits_TE, s.valid_T), frozenset({"logits", "base_logits"})
 )
@@ -150,8 +172,10 @@ def register_method(method: Method, *, overwrite: bool = False) -> Method:
     problems = []
     if method.name in METHODS and not overwrite:
         problems.append(f"method {method.name!r} exists; pass overwrite=True to replace it")
-    if (method.loss is None) != (method.coefficient is None):
-        problems.append(f"method {method.name!r}: a loss and its coefficient go together")
+    if (method.loss is None and method.teacher != "output") != (method.coefficient is None):
+        problems.append(f"method {method.name!r}: a loss (or the output teacher's) and its coefficient go together")
+    if method.loss is not None and "base_routing" in method.loss.reads and method.teacher != "routing":
+        problems.append(f"method {method.name!r}: a loss reading the base's routing needs teacher='routing'")
     if method.weights and method.coefficient is None:
         problems.append(f"method {method.name!r}: weights to search need a coefficient")
     if method.shuffle is not None and method.selection is None:
@@ -208,6 +232,14 @@ for _method in (
     Method(
         "within-transition-hard", f"`rpb-hard` {_SHUFFLED} within base transition communities (rpb's own)",
         selection="hard", shuffle="within-transition", in_paper=False,
+    ),
+    Method(
+        "routing-kd", "+ `lambda` × mean KL(q_base ‖ p) over tokens, layers; q_base: base's own forward",
+        loss=ROUTING_KD, coefficient="lambda_", weights=(0.01, 0.1, 1.0, 10.0), in_paper=False, teacher="routing",
+    ),
+    Method(
+        "output-kd", "+ `lambda` × mean KL(base next-token distribution ‖ model's) over the loss's tokens",
+        coefficient="lambda_", weights=(0.01, 0.1, 1.0), in_paper=False, teacher="output",
     ),
 ):  # fmt: skip
     register_method(_method)

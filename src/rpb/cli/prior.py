@@ -92,8 +92,10 @@ def _routes(args) -> int:
         adapter=args.adapter,
         dtype=args.dtype,
         chat_template_kwargs=args.chat_template_kwargs,
+        probs_transform=args.with_probs,
     )
-    print(f"wrote {args.out}: routes of {n} rows in vLLM's layout (rpb collect --from-routes reads it)")
+    probs = f", with router probabilities ({args.with_probs})" if args.with_probs else ""
+    print(f"wrote {args.out}: routes of {n} rows in vLLM's layout{probs} (rpb collect --from-routes reads it)")
     return 0
 
 
@@ -206,6 +208,14 @@ def add_commands(add) -> None:
         "--requests",
         metavar="JSONL",
         help="write no routes: each row's token ids, to send an engine as prompt_token_ids (no model is loaded)",
+    )
+    o.add_argument(
+        "--with-probs",
+        nargs="?",
+        const="family",
+        choices=["family", *ROUTER_TRANSFORMS],
+        help="also store the router's probabilities at each routed expert, read under this transform (alone: the "
+        "family's own; routing-kd trains against the run's, anchor.router_transform, and refuses another)",
     )
     o.add_argument("--tokenizer", help="default: --model")
     model_options(o)

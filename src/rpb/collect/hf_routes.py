@@ -24,13 +24,16 @@ import numpy as np
 import torch
 
 from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
+from rpb.anchors.transform import family_transform
 from rpb.collect.collector import plan_batches
 from rpb.collect.rows import KEEP_TOKENS, label_range, scan_rows
 from rpb.data import ChatTemplate, Example
 from rpb.fileio import write_text_atomic
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
+from rpb.prior import router_probs
 from rpb.replay.record import GenerationRecorder
 from rpb.replay.routefile import save_routes
+from rpb.teacher.routing import RouterCapture
 
 
 def vllm_dtype(num_experts: int) -> np.dtype:
@@ -39,15 +42,25 @@ def vllm_dtype(num_experts: int) -> np.dtype:
 
 
 @torch.inference_mode()
-def hf_routes(model, examples: list[Example], pad_id: int, batch_size: int = 8, adapter: str | None = None):
+def hf_routes(
+    model,
+    examples: list[Example],
+    pad_id: int,
+    batch_size: int = 8,
+    adapter: str | None = None,
+    probs_transform: str | None = None,
+):
     """Each row's routes in vLLM's layout (``[N, num_hidden_layers, K]``), in ``examples``' order, and the
-    routers' fingerprint; ``model``: the base model (``rpb.models.load_base_model``) or the causal LM."""
+    routers' fingerprint; ``model``: the base model (``rpb.models.load_base_model``) or the causal LM. With
+    ``probs_transform``, also each row's router probabilities at its routed experts (the same layout, float32, the
+    router's logits read under that transform; dense layers' columns 0): ``(routes, fingerprint, probs)``."""
     facts = get_adapter(adapter or model.config.model_type)
     layers = find_moe_layers(model, facts)
     num_layers = int(model.config.get_text_config().num_hidden_layers)
     at = [m.layer_index for m in layers]
     num_experts = int(layers[0].router.weight.shape[0])
     out: list[np.ndarray | None] = [None] * len(examples)
+    probs: list[np.ndarray | None] = [None] * len(examples)
     device = next(model.parameters()).device
     for positions in plan_batches([len(e) for e in examples], batch_size):
         P = max(len(examples[i]) for i in positions)
@@ -57,15 +70,25 @@ def hf_routes(model, examples: list[Example], pad_id: int, batch_size: int = 8, 
             n = len(examples[i])
             ids_BP[b, :n] = torch.tensor(examples[i].input_ids)
             mask_BP[b, :n] = 1
+        capture = RouterCapture(layers, stop_early=False)
         with GenerationRecorder(model, layers, facts=facts, logps=False) as rec:
-            model(input_ids=ids_BP.to(device), attention_mask=mask_BP.to(device), use_cache=False)
+            forward = {"input_ids": ids_BP.to(device), "attention_mask": mask_BP.to(device), "use_cache": False}
+            logits_LTE, _ = capture.run(lambda forward=forward: model(**forward))
         routes_BPLK = rec.routes_BSLK  # the prefill's P positions
+        if probs_transform is not None:
+            probs_BPLE = torch.stack([router_probs(z, probs_transform) for z in logits_LTE], 1).cpu()
+            probs_BPLK = probs_BPLE.reshape(len(positions), P, len(layers), -1).gather(-1, routes_BPLK.long())
         for b, i in enumerate(positions):
             n = len(examples[i])
             routes_NXK = np.zeros((n, num_layers, routes_BPLK.shape[-1]), dtype=vllm_dtype(num_experts))
             routes_NXK[:, at] = routes_BPLK[b, :n].numpy()
             out[i] = routes_NXK
-    return out, routers_sha256(layers, facts)
+            if probs_transform is not None:
+                probs_NXK = np.zeros(routes_NXK.shape, dtype=np.float32)
+                probs_NXK[:, at] = probs_BPLK[b, :n].numpy()
+                probs[i] = probs_NXK
+    fingerprint = routers_sha256(layers, facts)
+    return (out, fingerprint) if probs_transform is None else (out, fingerprint, probs)
 
 
 def _labelled(data_jsonl, tokenizer_id: str, max_seq_len: int, chat_template_kwargs: dict | None):
@@ -84,11 +107,17 @@ def write_routes(
     adapter: str | None = None,
     dtype: str = "float32",
     chat_template_kwargs: dict | None = None,
+    probs_transform: str | None = None,
 ) -> int:
-    """``rpb routes``: the route file of ``model_id`` over every row of ``data_jsonl``; returns the row count."""
+    """``rpb routes``: the route file of ``model_id`` over every row of ``data_jsonl``; returns the row count. With
+    ``probs_transform`` (``--with-probs``; ``"family"``: the family's own transform) the router probabilities at
+    the routed experts are stored too, for ``routing-kd`` from stored routes."""
     rows, examples, template = _labelled(data_jsonl, tokenizer_id or model_id, max_seq_len, chat_template_kwargs)
     model, _ = load_base_model(model_id, dtype, adapter)  # no LM head: the routes need none
-    routes, fingerprint = hf_routes(model, examples, pad_id_of(template.tokenizer), batch_size, adapter)
+    if probs_transform == "family":  # the family's own reading of its router (softmax, or normalised sigmoid)
+        probs_transform = family_transform(get_adapter(adapter or model.config.model_type).score_function)
+    got = hf_routes(model, examples, pad_id_of(template.tokenizer), batch_size, adapter, probs_transform)
+    routes, fingerprint = got[:2]
     save_routes(
         out_path,
         [e.input_ids for e in examples],
@@ -97,6 +126,8 @@ def write_routes(
         routers_sha256=fingerprint,
         model=str(model_id),
         data_sha256=rows.sha256,
+        probs=got[2] if probs_transform is not None else None,
+        probs_transform=probs_transform,
     )
     return len(examples)
 

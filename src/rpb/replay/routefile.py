@@ -9,10 +9,13 @@ Tensors
   token_ids      int64 [T]        the tokens each request was sent (``prompt_token_ids``)
   route_offsets  int64 [N + 1]    row i's routes are ``routes[route_offsets[i]:route_offsets[i + 1]]``
   token_offsets  int64 [N + 1]    row i's tokens likewise
+  probs          float32 [R, X, K]  optional (``rpb routes --with-probs``): the model's router probabilities at
+                                    each stored expert, under the transform ``probs_transform`` names; engines
+                                    return ids alone
 Metadata (header key ``rpb_routes``): ``schema``, ``schema_version``, ``engine`` (what produced the routes),
 ``routers_sha256`` (the model's router fingerprint, ``rpb.adapters``; null for an engine's arrays, which carry no
 model identity), ``model`` (null where unknown), ``data_sha256`` (of the data file the requests were made from;
-null where unknown).
+null where unknown), and with ``probs`` its ``probs_transform`` (``rpb.prior.ROUTER_TRANSFORMS``).
 
 A row sent as a prefill-only request (its tokens, one generated token that is never forwarded) has one route per
 token: ``rpb collect --from-routes`` refuses any other count. The file stores what it is given; the checks
@@ -37,6 +40,8 @@ ROUTES_SCHEMA = "rpb_routes"
 ROUTES_SCHEMA_VERSION = 1
 ROUTES_KEY = "rpb_routes"
 TENSORS = ("routes", "token_ids", "route_offsets", "token_offsets")
+#: tensors a route file may hold besides ``TENSORS``
+OPTIONAL = ("probs",)
 
 
 class RouteFileError(RpbError):
@@ -50,6 +55,8 @@ class RouteFile:
     route_offsets: torch.Tensor
     token_offsets: torch.Tensor
     metadata: dict
+    #: the router probabilities at each stored expert (None: ids alone)
+    probs_RXK: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -58,6 +65,10 @@ class RouteFile:
     def routes(self, row: int) -> torch.Tensor:
         """``routes_SXK`` of row ``row`` (int16, as stored)."""
         return self.routes_RXK[int(self.route_offsets[row]) : int(self.route_offsets[row + 1])]
+
+    def probs(self, row: int) -> torch.Tensor:
+        """``probs_SXK`` of row ``row`` (float32; the file must hold probabilities)."""
+        return self.probs_RXK[int(self.route_offsets[row]) : int(self.route_offsets[row + 1])]
 
     def tokens(self, row: int) -> list[int]:
         return self.token_ids_T[int(self.token_offsets[row]) : int(self.token_offsets[row + 1])].tolist()
@@ -72,12 +83,23 @@ def save_routes(
     routers_sha256: str | None = None,
     model: str | None = None,
     data_sha256: str | None = None,
+    probs: Sequence | None = None,
+    probs_transform: str | None = None,
 ) -> None:
     """Write a route file (atomically): row i sent ``token_ids[i]`` and came back with ``routes[i]``, an integer
     array ``[routes, layers, top_k]`` as the engine returns it (vLLM's ``routed_experts``; SGLang's decoded and
-    reshaped, ``rpb.replay.engines.routes_from_sglang``). Every row's layer axis and top-k must agree."""
+    reshaped, ``rpb.replay.engines.routes_from_sglang``). Every row's layer axis and top-k must agree. ``probs``:
+    each row's router probabilities at those experts (same shapes), under ``probs_transform``."""
     arrays = [np.asarray(r) for r in routes]
     problems = []
+    if probs is not None:
+        if probs_transform is None:
+            problems.append("probabilities without the transform they were read under (probs_transform)")
+        shapes_differ = len(probs) != len(arrays) or any(
+            np.shape(p) != a.shape for p, a in zip(probs, arrays, strict=False)
+        )
+        if shapes_differ:
+            problems.append("the probabilities' rows do not have the routes' shapes")
     if len(arrays) != len(token_ids):
         problems.append(f"{len(arrays)} rows of routes for {len(token_ids)} rows of token ids")
     shapes = {a.shape[1:] for a in arrays if a.ndim == 3}
@@ -109,6 +131,11 @@ def save_routes(
         "model": model,
         "data_sha256": data_sha256,
     }
+    if probs is not None:
+        tensors["probs"] = torch.from_numpy(
+            np.concatenate([np.asarray(p, np.float32) for p in probs]) if probs else np.zeros((0, *width), np.float32)
+        )
+        meta["probs_transform"] = probs_transform
     atomic_save(tensors, {ROUTES_KEY: json.dumps(meta, sort_keys=True)}, path)
 
 
@@ -118,7 +145,7 @@ def load_routes(path: str | Path) -> RouteFile:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
             names = set(f.keys())
-            tensors = {name: f.get_tensor(name) for name in TENSORS if name in names}
+            tensors = {name: f.get_tensor(name) for name in (*TENSORS, *OPTIONAL) if name in names}
     except Exception as e:  # safetensors raises its own error types for bad headers
         raise RouteFileError(f"{path}: not a readable safetensors file ({e})") from None
     if ROUTES_KEY not in header:
@@ -130,7 +157,10 @@ def load_routes(path: str | Path) -> RouteFile:
     problems = _layout_problems(meta, tensors)
     if problems:
         raise RouteFileError(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
-    return RouteFile(tensors["routes"], tensors["token_ids"], tensors["route_offsets"], tensors["token_offsets"], meta)
+    return RouteFile(
+        tensors["routes"], tensors["token_ids"], tensors["route_offsets"], tensors["token_offsets"], meta,
+        tensors.get("probs"),
+    )  # fmt: skip
 
 
 def _layout_problems(meta, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -153,6 +183,12 @@ def _layout_problems(meta, tensors: dict[str, torch.Tensor]) -> list[str]:
             problems.append(f"{name}: {off.dtype} {tuple(off.shape)}, expected int64 [rows + 1]")
         elif int(off[0]) != 0 or int(off[-1]) != total or bool((off[1:] < off[:-1]).any()):
             problems.append(f"{name}: not a non-decreasing run from 0 to {total}")
+    probs = tensors.get("probs")
+    if probs is not None:
+        if probs.dtype != torch.float32 or probs.shape != routes.shape:
+            problems.append(f"probs: {probs.dtype} {tuple(probs.shape)}, expected float32 {tuple(routes.shape)}")
+        if meta.get("probs_transform") is None:
+            problems.append("metadata: probs without probs_transform")
     if tensors["route_offsets"].numel() != tensors["token_offsets"].numel():
         problems.append("route_offsets and token_offsets count different rows")
     return problems

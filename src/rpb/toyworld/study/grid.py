@@ -79,8 +79,10 @@ CALIBRATED = Arm("rpb calibrated", "rpb", calibrated=True)
 
 
 def table_weights() -> dict[str, tuple[float, ...]]:
-    """The weights each weighted method of the methods table asks a grid to try."""
-    return {name: m.weights for name, m in METHODS.items() if m.weights}
+    """The weights each weighted method of the paper asks a grid to try (the methods table's). A grid that runs a
+    weighted method of rpb's own names its candidates: a method added to the table leaves every shipped grid's
+    pinned candidates as they were."""
+    return {name: m.weights for name, m in METHODS.items() if m.weights and m.in_paper}
 
 
 @dataclass(frozen=True)

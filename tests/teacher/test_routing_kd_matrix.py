@@ -1,0 +1,158 @@
+"""``routing-kd`` on every real-config replica (``rpb.testing.REPLICAS``), read against a hand computation: the base
+and the training model run as two separate forwards, each router's output read by hooks of the test's own, and
+the term written out from its definition (KL of the family's transform; the stored routes' set cross-entropy and
+top-k KL) in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
+from rpb.anchors import AnchorConfig, install_anchor
+from rpb.collect.hf_routes import write_routes
+from rpb.data import load_labelled
+from rpb.models import load_causal_lm, load_tokenizer
+from rpb.teacher import load_stored_routes, online_base
+from rpb.testing.data import conversations, write_jsonl
+from rpb.testing.replicas import REPLICAS, published, routing_part
+from tests.project.test_family_matrix import MAX_LEN, batch_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LAMBDA = 0.5
+
+
+def probs(z_TE: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+    z = z_TE.double()
+    if sigmoid:
+        s = torch.sigmoid(z)
+        return s / s.sum(-1, keepdim=True)
+    return torch.softmax(z, -1)
+
+
+def router_outputs(model, facts, batch) -> list[tuple]:
+    """Each MoE layer's router output ``(logits, ..., ids)`` of one forward of ``model`` on ``batch``."""
+    seen = {}
+    layers = find_moe_layers(model, facts)
+    hooks = [m.router.register_forward_hook(lambda mod, a, out, p=p: seen.__setitem__(p, out))
+             for p, m in enumerate(layers)]  # fmt: skip
+    keys = ("input_ids", "attention_mask")
+    try:
+        model(**{k: batch[k] for k in keys})
+    finally:
+        for h in hooks:
+            h.remove()
+    return [seen[p] for p in range(len(layers))]
+
+
+def move(model, facts, seed: int = 3) -> None:
+    """A known drift: the attention projections and the routers moved by about a third of their own scale."""
+    gen = torch.Generator().manual_seed(seed)
+    routers = {id(m.router.weight) for m in find_moe_layers(model, facts)}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "self_attn" in name or id(p) in routers:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3 * p.float().std().clamp_min(1e-3))
+
+
+@pytest.fixture(scope="module")
+def family(replica, tmp_path_factory):
+    cache = {}
+
+    def make(name):
+        if name not in cache:
+            tmp = tmp_path_factory.mktemp(f"kd-{name}")
+            cache[name] = replica(name), write_jsonl(conversations(4, seed=5), tmp / "train.jsonl"), tmp
+        return cache[name]
+
+    return make
+
+
+@pytest.mark.parametrize("name", REPLICAS)
+def test_online_routing_kd_is_the_hand_kl_between_two_forwards(name, family):
+    model_dir, data, _ = family(name)
+    model = load_causal_lm(str(model_dir)).train()
+    facts = get_adapter(model.config.model_type)
+    handle = install_anchor(model, AnchorConfig(method="routing-kd", lambda_=LAMBDA))
+    handle.teacher = online_base(model, facts, model_id=str(model_dir), dtype=None, outputs=False)
+    move(model, facts)  # after the base is taken: the base stays the checkpoint's
+    batch = batch_of(model_dir, data)
+    base = load_causal_lm(str(model_dir)).eval()
+    with torch.no_grad():
+        base_out = router_outputs(base, facts, batch)
+    seen = {}
+    layers = handle.layers
+    hooks = [m.moe.router.register_forward_hook(lambda mod, a, out, p=p: seen.__setitem__(p, out))
+             for p, m in enumerate(layers)]  # fmt: skip
+    with handle.step(batch["rpb_sample_index"], batch["rpb_span"], batch["attention_mask"]) as ctx:
+        ctx.base = handle.base_routing(batch, batch["rpb_sample_index"])
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        term = handle.loss()
+        term.backward()
+    for h in hooks:
+        h.remove()
+    valid_T = batch["attention_mask"].reshape(-1).bool()
+    sigmoid = facts.score_function == "sigmoid"
+    per_layer = []
+    for pos in range(len(layers)):
+        q, p = probs(base_out[pos][0], sigmoid)[valid_T], probs(seen[pos][0].detach(), sigmoid)[valid_T]
+        per_layer.append((q * (q.log() - p.log())).sum(-1).mean())
+    hand = LAMBDA * torch.stack(per_layer).mean()
+    assert float(hand) > 1e-4, f"{name}: the drift should move the routing"
+    assert float(term.detach()) == pytest.approx(float(hand), rel=1e-4)
+    # the gradient reaches what sits below the routers, not the routers alone
+    grads = {n: p.grad for n, p in model.named_parameters() if "self_attn" in n and p.grad is not None}
+    assert grads and any(float(g.abs().sum()) > 0 for g in grads.values()), f"{name}: no gradient below the routers"
+    handle.remove()
+
+
+@pytest.mark.parametrize("name", REPLICAS)
+def test_stored_routing_kd_is_the_hand_set_cross_entropy_and_top_k_kl(name, family):
+    model_dir, data, tmp = family(name)
+    top_k = routing_part(published(name))["num_experts_per_tok"]
+    model = load_causal_lm(str(model_dir)).train()
+    facts = get_adapter(model.config.model_type)
+    layers = find_moe_layers(model, facts)
+    labelled = load_labelled(str(data), load_tokenizer(str(model_dir)), MAX_LEN)
+    batch = batch_of(model_dir, data)
+    base = load_causal_lm(str(model_dir)).eval()
+    with torch.no_grad():
+        base_out = router_outputs(base, facts, batch)
+    fingerprint = routers_sha256(layers, facts)  # the base's: the route file is checked against it
+    move(model, facts)
+    handle = install_anchor(model, AnchorConfig(method="routing-kd", lambda_=LAMBDA, base="routes", routes="x"))
+    sigmoid = facts.score_function == "sigmoid"
+    valid_T = batch["attention_mask"].reshape(-1).bool()
+    for with_probs in (False, True):
+        path = tmp / f"routes-{with_probs}.safetensors"
+        write_routes(str(model_dir), data, path, MAX_LEN, probs_transform="family" if with_probs else None)
+        handle.teacher = load_stored_routes(
+            path, labelled, routers_sha256=fingerprint, moe_layers=[m.layer_index for m in layers],
+            num_layers=model.config.get_text_config().num_hidden_layers, top_k=top_k,
+            num_experts=int(layers[0].router.weight.shape[0]), transform=handle.router_transform,
+        )  # fmt: skip
+        seen = {}
+        hooks = [m.moe.router.register_forward_hook(lambda mod, a, out, p=p, seen=seen: seen.__setitem__(p, out))
+                 for p, m in enumerate(handle.layers)]  # fmt: skip
+        with handle.step(batch["rpb_sample_index"], batch["rpb_span"], batch["attention_mask"]) as ctx:
+            ctx.base = handle.base_routing(batch, batch["rpb_sample_index"])
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            term = handle.loss()
+        for h in hooks:
+            h.remove()
+        per_layer = []
+        for pos in range(len(layers)):
+            ids_TK = base_out[pos][2].reshape(valid_T.shape[0], -1)[valid_T].long()
+            log_p_TE = probs(seen[pos][0].detach(), sigmoid)[valid_T].log()
+            log_p_TK = log_p_TE.gather(-1, ids_TK)
+            if with_probs:
+                q_TK = probs(base_out[pos][0], sigmoid)[valid_T].gather(-1, ids_TK)
+                q_TK = q_TK / q_TK.sum(-1, keepdim=True)
+                per_layer.append((q_TK * (q_TK.log() - log_p_TK)).sum(-1).mean())
+            else:
+                per_layer.append(-log_p_TK.mean(-1).mean())
+        hand = LAMBDA * torch.stack(per_layer).mean()
+        assert float(term.detach()) == pytest.approx(float(hand), rel=1e-4), (
+            f"{name}, probabilities stored: {with_probs}"
+        )
+    handle.remove()
