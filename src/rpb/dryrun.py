@@ -58,6 +58,8 @@ class DryRun:
     model_checked: bool = False
     #: ``data.mix``'s record (``rpb.data.mix``), where the run mixes rows
     mixed: dict | None = None
+    #: routing-kd / output-kd: what the base is read from (``rpb.teacher``), as the run will record it
+    base: str | None = None
 
     def summary(self) -> str:
         lines = [f"{self.source}: configuration OK (anchor.method={self.cfg.anchor.method})"]
@@ -68,6 +70,8 @@ class DryRun:
             lines.append(f"  data.mix: {taken} in the places of as many training rows (seed {self.mixed['seed']})")
         if self.cfg.prior:
             lines.append(f"  prior {self.cfg.prior}: file, values and data OK; chat template and settings match")
+        if self.base is not None:
+            lines.append(f"  base: {self.base}")
         return "\n".join([*lines, CHECKED if self.model_checked else UNCHECKED])
 
 
@@ -89,6 +93,7 @@ def dry_run(path: str | Path | None, overrides: list[str] = ()) -> DryRun:
         if data is not None:
             report.rows, report.truncated_rows, report.max_seq_len = data.num_rows, data.truncated_rows, max_seq_len
             report.mixed = _mix(cfg, data, tokenizer, max_seq_len, problems)
+            report.base = _base(cfg, data, problems)
     if tokenizer is not None and meta is not None:
         _settings(cfg, tokenizer, meta, max_seq_len, problems)
     if meta is not None and cfg.model:
@@ -187,6 +192,69 @@ def _mix(cfg: RunConfig, data, tokenizer, max_seq_len: int, problems: list[str])
     except RpbError as e:
         problems += [f"data.mix: {p}" for p in getattr(e, "problems", [str(e)])]  # the files too short
     return None
+
+
+def _base(cfg: RunConfig, data, problems: list[str]) -> str | None:
+    """routing-kd / output-kd's base as the run reads it: the route file against the training file's labelling and
+    the checkpoint's routers (read from its files alone, where they are at hand), or the frozen copy's dtype against
+    the device; a line for the summary where all is well."""
+    from rpb.anchors import METHODS
+
+    method = METHODS.get(cfg.anchor.method)
+    if method is None or method.teacher is None or cfg.anchor.base not in ("online", "routes"):
+        return None  # no base to read, or named already by validate
+    if cfg.anchor.base == "online":
+        import torch
+
+        from rpb.teacher.online import dtype_problems
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        found = dtype_problems(cfg.anchor.base_dtype, device)
+        problems += found
+        if cfg.lora.enabled:
+            return "online: the model with its LoRA adapters disabled (no second copy)"
+        return None if found else f"online: a frozen copy of {cfg.model} ({cfg.anchor.base_dtype or cfg.train.dtype})"
+    if not cfg.anchor.routes or not Path(cfg.anchor.routes).is_file():
+        return None  # named by validate
+    return _stored_routes(cfg, data, problems)
+
+
+def _stored_routes(cfg: RunConfig, data, problems: list[str]) -> str | None:
+    from transformers import AutoConfig
+
+    from rpb.adapters import checkpoint_routers_sha256, get_adapter
+    from rpb.anchors.transform import run_transform
+    from rpb.artifact import ArtifactError
+    from rpb.teacher import load_stored_routes
+    from rpb.validate import model_dir_of
+
+    try:
+        model_dir = model_dir_of(cfg.model)
+    except ArtifactError:
+        problems.append(
+            f"anchor.routes: the model {cfg.model} is not on this machine, so its routers cannot be read to check the "
+            "route file; the real run checks it"
+        )
+        return None
+    ck = checkpoint_routers_sha256(model_dir, cfg.adapter)
+    config = AutoConfig.from_pretrained(str(model_dir)).get_text_config()
+    facts = get_adapter(ck.adapter)
+    try:
+        stored = load_stored_routes(
+            cfg.anchor.routes,
+            data,
+            routers_sha256=ck.routers_sha256,
+            moe_layers=ck.moe_layers,
+            num_layers=int(config.num_hidden_layers),
+            top_k=ck.top_k,
+            num_experts=ck.num_experts,
+            transform=run_transform(cfg.anchor.router_transform, None, facts.score_function),
+        )
+    except RpbError as e:
+        problems.append(str(e))
+        return None
+    probs = "top-k and router probabilities" if stored.probs_RLK is not None else "top-k ids alone"
+    return f"routes {cfg.anchor.routes}: {probs}, every row's tokens and routes match the training file and model"
 
 
 def _settings(cfg: RunConfig, tokenizer, meta: dict, max_seq_len, problems: list[str]) -> None:

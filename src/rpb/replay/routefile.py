@@ -157,10 +157,8 @@ def load_routes(path: str | Path) -> RouteFile:
     problems = _layout_problems(meta, tensors)
     if problems:
         raise RouteFileError(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
-    return RouteFile(
-        tensors["routes"], tensors["token_ids"], tensors["route_offsets"], tensors["token_offsets"], meta,
-        tensors.get("probs"),
-    )  # fmt: skip
+    t = tensors
+    return RouteFile(t["routes"], t["token_ids"], t["route_offsets"], t["token_offsets"], meta, t.get("probs"))
 
 
 def _layout_problems(meta, tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -1,0 +1,109 @@
+"""The online base through ``rpb train`` on a tiny DeepSeek-V3 (Moonlight) model: under full fine-tuning (a frozen
+copy) and under LoRA (the adapters disabled for the base forward, back on for training), output-kd against a hand
+KL, and what has no base to recover, refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from rpb.errors import ArgumentError
+from rpb.train import prepare_run, run_training
+from tests.teacher.conftest import config, log_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_online_routing_kd_under_full_fine_tuning_starts_at_zero_and_records_its_copy(setup, tmp_path):
+    out = run_training(config(setup, tmp_path / "run", "routing-kd"), progress=False)
+    terms = [r["anchor_loss"] for r in log_of(out) if "anchor_loss" in r]
+    # step 1 trains the base itself: its routing is the base's, so KL is 0; later steps have moved it
+    assert terms[0] == pytest.approx(0.0, abs=1e-6) and terms[-1] > 1e-6
+    base = json.loads((out / "rpb_run.json").read_text())["base"]
+    assert base["source"] == "online" and base["mode"] == "frozen-copy" and base["dtype"] == "float32"
+    model = AutoModelForCausalLM.from_pretrained(setup[0])
+    assert base["copy_bytes"] == sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+class AdaptersOn(TrainerCallback):
+    """After every optimizer step: whether every LoRA layer of the model has its adapters on."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        layers = [m for m in model.modules() if hasattr(m, "merged_adapters")]
+        self.seen.append(bool(layers) and not any(m.disable_adapters for m in layers))
+
+
+def test_under_lora_the_base_is_the_model_with_adapters_off_and_they_come_back_every_step(setup, tmp_path):
+    cfg = config(setup, tmp_path / "lora", "routing-kd", "lora.rank=4", "lora.alpha=8")
+    prepared = prepare_run(cfg, progress=False)
+    assert prepared.handle.teacher.mode == "adapters-off" and prepared.info["base"]["copy_bytes"] == 0
+    prepared.handle.remove()
+    on = AdaptersOn()
+    out = run_training(cfg, progress=False, callbacks=[on])
+    assert on.seen == [True, True, True]
+    terms = [r["anchor_loss"] for r in log_of(out) if "anchor_loss" in r]
+    assert terms[0] == pytest.approx(0.0, abs=1e-6) and terms[-1] > 1e-6
+    # the saved model is the merged adapters: it differs from the base, so the adapters trained (they were on
+    # in the training forwards), and it computes what the run's PEFT model computed
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(setup[0])
+    moved = [n for n, p in merged.named_parameters() if not torch.equal(p, base.get_parameter(n))]
+    assert any("self_attn" in n for n in moved)
+
+
+def test_a_model_trained_in_memory_and_merged_adapters_have_no_base_to_recover(setup, tmp_path):
+    from rpb.adapters import get_adapter
+    from rpb.lora import LoraSection, apply_lora
+    from rpb.teacher import online_base
+
+    model = AutoModelForCausalLM.from_pretrained(setup[0])
+    facts = get_adapter(model.config.model_type)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.add_(0.1)
+    with pytest.raises(ArgumentError, match=r"the model in memory is not the checkpoint"):
+        online_base(model, facts, model_id=str(setup[0]), dtype=None, outputs=False)
+    peft = apply_lora(AutoModelForCausalLM.from_pretrained(setup[0]), LoraSection(rank=4), facts)
+    peft.merge_adapter()
+    with pytest.raises(ArgumentError, match=r"merged into its weights"):
+        online_base(peft, facts, model_id=str(setup[0]), dtype=None, outputs=False)
+    with pytest.raises(ArgumentError, match=r"anchor.base_dtype: one of"):
+        online_base(model, facts, model_id=str(setup[0]), dtype="float8", outputs=False)
+
+
+def test_output_kd_is_the_hand_kl_of_the_next_token_distributions(setup, tmp_path):
+    from rpb.train import training_arguments
+    from rpb.trainer import AnchorTrainer
+
+    cfg = config(setup, tmp_path / "okd", "output-kd", "anchor.lambda=0.7")
+    prepared = prepare_run(cfg, progress=False)
+    model = prepared.model.train()
+    with torch.no_grad():  # a known drift from the base
+        gen = torch.Generator().manual_seed(0)
+        for n, p in model.named_parameters():
+            if "self_attn" in n:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    trainer = AnchorTrainer(model=model, args=training_arguments(cfg, False), train_dataset=prepared.dataset,
+                            data_collator=prepared.collator, anchor=prepared.handle)  # fmt: skip
+    batch = prepared.collator([prepared.dataset[i] for i in range(4)])
+    sample_BT, span_BT = batch.pop("rpb_sample_index"), batch.pop("rpb_span")
+    trainer._sample_BT = sample_BT
+    with prepared.handle.step(sample_BT, span_BT, batch.get("attention_mask")):
+        with_term = trainer.compute_loss(model, dict(batch))
+    base = AutoModelForCausalLM.from_pretrained(setup[0]).eval()
+    with torch.no_grad():
+        plain = model(**batch).loss
+        keys = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+        q = torch.log_softmax(base(**keys).logits.double(), -1)
+        p = torch.log_softmax(model(**keys).logits.double(), -1)
+    labels = batch["labels"]
+    rows, cols = torch.nonzero(labels[:, 1:] != -100, as_tuple=True)  # position t predicts token t + 1
+    kl = (q[rows, cols].exp() * (q[rows, cols] - p[rows, cols])).sum(-1).mean()
+    assert float(kl) > 1e-4
+    assert float(with_term.detach() - plain) == pytest.approx(0.7 * float(kl), rel=1e-4)
+    prepared.handle.remove()

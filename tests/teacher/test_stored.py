@@ -1,0 +1,86 @@
+"""routing-kd from stored routes through ``rpb train`` on a tiny DeepSeek-V3 (Moonlight) model: it trains, and a route
+file of another model, data file or labelling is refused naming each, by the run and by its dry run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rpb.collect.hf_routes import write_routes
+from rpb.config import ConfigError
+from rpb.errors import ArgumentError
+from rpb.testing.data import conversations, write_jsonl
+from rpb.train import prepare_run, run_training
+from tests.teacher.conftest import MAX_LEN, config, log_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_stored_routes_train_and_what_they_cannot_serve_is_refused(setup, tmp_path):
+    _, _, routes, tmp = setup
+    out = run_training(config(setup, tmp_path / "stored", "routing-kd", "anchor.base=routes",
+                              f"anchor.routes={routes}"), progress=False)  # fmt: skip
+    record = json.loads((out / "rpb_run.json").read_text())["base"]
+    assert record["source"] == "routes" and record["with_probs"]
+    terms = [r["anchor_loss"] for r in log_of(out) if "anchor_loss" in r]
+    # the top-k KL is not 0 on the base itself: q renormalised over the k against the whole p (its value there is
+    # -log of the base's mass on its own top-k; tests/teacher/test_routing_kd_matrix.py reads it by hand)
+    assert len(terms) == 3 and all(0 < t < 10 for t in terms)
+    with pytest.raises(ConfigError, match=r"output-kd needs the base's next-token distribution"):
+        config(setup, tmp_path / "x", "output-kd", "anchor.base=routes", f"anchor.routes={routes}")
+    extra = write_jsonl(conversations(3, seed=9), tmp / "extra.jsonl")
+    with pytest.raises(ConfigError, match=r"data.mix: anchor.base=routes"):
+        config(setup, tmp_path / "x", "routing-kd", "anchor.base=routes", f"anchor.routes={routes}",
+               f'data.mix=[{{"path": "{extra}", "share": 0.25}}]')  # fmt: skip
+    with pytest.raises(ConfigError, match=r"anchor.routes: required by anchor.base=routes"):
+        config(setup, tmp_path / "x", "routing-kd", "anchor.base=routes")
+    with pytest.raises(ConfigError, match=r"anchor.routes: read only by routing-kd and output-kd"):
+        config(setup, tmp_path / "x", "kl-to-base", f"anchor.routes={routes}")
+
+
+def test_a_route_file_of_another_model_file_or_labelling_is_refused_naming_each(setup, tmp_path, save_tiny):
+    model, data, routes, _tmp = setup
+    other_model = tmp_path / "other.safetensors"
+    write_routes(str(save_tiny("moonlight", seed=1)), data, other_model, MAX_LEN)
+    other_data = write_jsonl(conversations(12, seed=6), tmp_path / "other.jsonl")
+    other_file = tmp_path / "other-data.safetensors"
+    write_routes(str(model), other_data, other_file, MAX_LEN)
+    cut = tmp_path / "cut.safetensors"
+    write_routes(str(model), data, cut, 100)  # rows cut at 100 tokens: not the training labelling
+    cases = {
+        other_model: "routes of another model: router fingerprint",
+        other_file: "routes of another data file",
+        cut: r"row 2 \(.*line 3\): the route file's tokens are not rpb's labelling of the row \(the engine saw 100",
+    }
+    for path, message in cases.items():
+        cfg = config(setup, tmp_path / "r", "routing-kd", "anchor.base=routes", f"anchor.routes={path}")
+        with pytest.raises(ArgumentError, match=message):
+            prepare_run(cfg, progress=False)
+    # probabilities read under another transform than the run's
+    cfg = config(setup, tmp_path / "r", "routing-kd", "anchor.base=routes", f"anchor.routes={routes}",
+                 "anchor.router_transform=sigmoid-normalized")  # fmt: skip
+    with pytest.raises(ArgumentError, match=r"router probabilities read as softmax, the run reads its routers as"):
+        prepare_run(cfg, progress=False)
+
+
+def test_the_dry_run_checks_the_route_file_and_the_copy_without_the_model(setup, tmp_path, monkeypatch):
+    import rpb.models
+    from rpb.dryrun import DryRunError, dry_run
+
+    model, data, routes, _tmp = setup
+    monkeypatch.setattr(rpb.models, "load_causal_lm", lambda *a, **k: pytest.fail("the dry run loaded the model"))
+    common = [f"model={model}", f"data_jsonl={data}", f"output_dir={tmp_path}", "anchor.method=routing-kd",
+              "anchor.lambda=1", "anchor.router_transform=softmax", f"train.max_seq_len={MAX_LEN}"]  # fmt: skip
+    ok = dry_run(None, [*common, "anchor.base=routes", f"anchor.routes={routes}"])
+    assert "every row's tokens and routes match" in ok.summary()
+    assert "a frozen copy" in dry_run(None, common).summary()
+    cut = tmp_path / "cut.safetensors"
+    write_routes(str(model), data, cut, 100)
+    with pytest.raises(DryRunError) as err:
+        dry_run(None, [*common, "anchor.base=routes", f"anchor.routes={cut}", "anchor.base_dtype=float8"])
+    text = str(err.value)
+    assert "row 2 (" in text and "the engine saw 100" in text
+    assert "anchor.base_dtype: the frozen copy's dtype, read only with anchor.base=online" in text
+    with pytest.raises(DryRunError, match=r"anchor.base_dtype: one of"):
+        dry_run(None, [*common, "anchor.base_dtype=float8"])
