@@ -173,7 +173,7 @@ def register_method(method: Method, *, overwrite: bool = False) -> Method:
     if method.name in METHODS and not overwrite:
         problems.append(f"method {method.name!r} exists; pass overwrite=True to replace it")
     if (method.loss is None and method.teacher != "output") != (method.coefficient is None):
-        problems.append(f"method {method.name!r}: a loss and its coefficient go together (output-kd's: the output teacher's)")
+        problems.append(f"method {method.name!r}: a loss and its coefficient go together (or the output teacher's)")
     if method.loss is not None and "base_routing" in method.loss.reads and method.teacher != "routing":
         problems.append(f"method {method.name!r}: a loss reading the base's routing needs teacher='routing'")
     if method.weights and method.coefficient is None:
