@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from rpb.anchors import AnchorConfig, get_method
+from rpb.anchors import AnchorConfig
 from rpb.errors import RpbError
 from rpb.toyworld.study.cells import Study
 from rpb.toyworld.study.claims import judge, verdict_table
@@ -233,8 +233,7 @@ def studies(
 def cost(grid: Grid, sts: list[Study]) -> str:
     """What is left to run, and how long it should take: the mean minutes of the cells already finished
     (on this machine), or ``FIRST_ESTIMATE_MINUTES`` before the first one."""
-    weighted = {a.method for a in grid.arms if get_method(a.method).coefficient}
-    selection = 0 if grid.coefficients is not None else sum(len(grid.candidates[m]) for m in weighted)
+    selection = sum(len(grid.candidates[k]) for k in sts[0].selected_keys())
     per_base = len(grid.sets) * len(grid.arms) * len(grid.seeds) + selection
     done = [json.loads(p.read_text()) for st in sts for p in st.out.glob("**/result.json")]
     minutes = [sum(r["seconds"].values()) / 60 for r in done if "seconds" in r]

@@ -178,38 +178,58 @@ class Study(StudyInputs):
             ),
         }
 
+    def selection_key(self, arm: Arm) -> str | None:
+        """Which selection gives ``arm`` its weight (None: the arm has none): its method's, unless a study tells
+        two arms of one method apart (another base, other data)."""
+        return arm.method if get_method(arm.method).coefficient else None
+
+    def selection_keys(self) -> list[str]:
+        """The selections the grid's arms read, in order; those ``grid.coefficients`` fixes are not chosen."""
+        return sorted({k for a in self.grid.arms if (k := self.selection_key(a)) is not None})
+
+    def selected_keys(self) -> list[str]:
+        """The selections chosen on validation: all (no ``grid.coefficients``), or, where the grid says it
+        ``selects_unfixed``, those its coefficients do not fix."""
+        fixed = self.grid.coefficients
+        if fixed is None:
+            return self.selection_keys()
+        return [k for k in self.selection_keys() if k not in fixed] if self.grid.selects_unfixed else []
+
     def select_weights(self, bar, only: str | None = None) -> dict[str, float]:
-        """The anchor weight of every weighted method in the grid (fixed, or chosen on validation), recorded in
-        selection.json; ``only``: that method's alone, recording nothing. A cell asks for its own method's
-        weight only: another method's selection runs may still be running in another lane, and a cell that
-        asked for them would start them over in the same folder."""
-        methods = sorted({a.method for a in self.grid.arms if get_method(a.method).coefficient})
-        if self.grid.coefficients is not None:
-            missing = [m for m in methods if m not in self.grid.coefficients]
-            if missing:
-                raise ValueError(f"grid {self.grid.name!r} fixes no weight for {missing}")
-            return {m: self.grid.coefficients[m] for m in methods}
+        """The anchor weight of every selection the grid reads (fixed, or chosen on validation), recorded in
+        selection.json; ``only``: that selection's alone, recording nothing. A cell asks for its own selection
+        only: another one's runs may still be running in another lane, and a cell that asked for them would start
+        them over in the same folder. A grid fixes every weight (``coefficients``), or none, or (a grid of its
+        own kind) some, choosing the others among its ``candidates``."""
+        keys = self.selection_keys()
+        fixed = dict(self.grid.coefficients or {})
+        chosen_here = self.selected_keys()
+        missing = [k for k in keys if k not in fixed and k not in chosen_here]
+        if missing:
+            raise ValueError(f"grid {self.grid.name!r} fixes no weight for {missing}")
+        if not chosen_here:
+            return {k: fixed[k] for k in keys if only in (None, k)}
         path = self.out / "selection.json"
         chosen, trials = {}, []
-        for method in methods if only is None else [only]:
+        for key in chosen_here if only is None else [k for k in chosen_here if k == only]:
             scores = {}
-            for weight in self.grid.candidates[method]:
-                where = self.out / "selection" / f"{method}-{weight:g}"
+            for weight in self.grid.candidates[key]:
+                where = self.out / "selection" / f"{key}-{weight:g}"
                 r = self.cell(
                     where,
                     self.grid.sets[0],
-                    self.selection_arm(method),
+                    self.selection_arm(key),
                     self.grid.seeds[0],
                     weight,
                     part="validation",
                     retention=False,
                 )
                 scores[weight] = (r["id"] + r["ood"]) / 2
-                trials.append({"method": method, "weight": weight, "id": r["id"], "ood": r["ood"]})
+                trials.append({"method": key, "weight": weight, "id": r["id"], "ood": r["ood"]})
                 bar.update(1)
-            chosen[method] = max(scores, key=lambda w: (scores[w], -w))  # ties: the weaker anchor
+            chosen[key] = max(scores, key=lambda w: (scores[w], -w))  # ties: the weaker anchor
         if only is not None:
-            return chosen
+            return chosen or {only: fixed[only]}
         record = {
             "set": self.grid.sets[0],
             "seed": self.grid.seeds[0],
@@ -220,17 +240,17 @@ class Study(StudyInputs):
         }
         if not path.is_file() or json.loads(path.read_text()) != record:
             write_json_atomic(path, record)
-        return chosen
+        return {k: fixed[k] for k in keys if k in fixed} | chosen
 
-    def selection_arm(self, method: str) -> Arm:
-        """The arm a weighted method's selection runs train (the method alone)."""
-        return Arm(method, method)
+    def selection_arm(self, key: str) -> Arm:
+        """The arm a selection's runs train (the method alone)."""
+        return Arm(key, key)
 
     def grid_cell(self, post_set: str, arm: Arm, seed: int) -> dict:
         """One of the grid's cells, at its arm's weight (fixed, or chosen by the finished selection runs)."""
         weight = None
-        if get_method(arm.method).coefficient:
-            weight = self.select_weights(_NoBar(), only=arm.method)[arm.method]
+        if (key := self.selection_key(arm)) is not None:
+            weight = self.select_weights(_NoBar(), only=key)[key]
         return self.cell(self.out / "runs" / post_set / arm.slug / f"seed{seed}", post_set, arm, seed, weight)
 
     def run(self) -> list[dict]:
@@ -247,6 +267,7 @@ class Study(StudyInputs):
             for kind in sorted({a.prior_kind for a in g.arms}):
                 self.prior(post_set, kind)
         self.probe()
+        self.prepare()
         me = self if self.lanes <= 1 else dataclasses.replace(self, progress=False)  # no bars from the lanes
         jobs = [
             Job(me.base_routing, label="base routing"),
@@ -258,16 +279,17 @@ class Study(StudyInputs):
                 calibration[post_set] = len(jobs)
                 jobs.append(Job(me.calibration, (post_set,), label=f"calibration {post_set}"))
         selection: dict[str, list[int]] = {}
-        if g.coefficients is None:
-            for method in sorted({a.method for a in g.arms if get_method(a.method).coefficient}):
-                for weight in g.candidates[method]:
-                    where = self.out / "selection" / f"{method}-{weight:g}"
-                    trial = (where, g.sets[0], Arm(method, method), g.seeds[0], weight, "validation", False)
-                    selection.setdefault(method, []).append(len(jobs))
-                    jobs.append(Job(me.cell, trial, label=f"selection {method} {weight:g}", counted=True))
+        for key in self.selected_keys():
+            for weight in g.candidates[key]:
+                where = self.out / "selection" / f"{key}-{weight:g}"
+                trial = (where, g.sets[0], self.selection_arm(key), g.seeds[0], weight, "validation", False)
+                selection.setdefault(key, []).append(len(jobs))
+                jobs.append(Job(me.cell, trial, label=f"selection {key} {weight:g}", counted=True))
+        jobs += self.more_jobs(me)
         first_cell = len(jobs)
         for post_set, arm, seed in ((s, a, seed) for s in g.sets for a in g.arms for seed in g.seeds):
-            after = (*selection.get(arm.method, ()), *([calibration[post_set]] if arm.calibrated else []))
+            key = self.selection_key(arm)
+            after = (*selection.get(key, ()), *([calibration[post_set]] if arm.calibrated else []))
             jobs.append(Job(me.grid_cell, (post_set, arm, seed), after, f"{post_set} {arm.label} seed {seed}", True))
         bar = tqdm(total=sum(j.counted for j in jobs), unit="run", desc=f"grid {g.name}", disable=not self.progress)
 
@@ -282,9 +304,17 @@ class Study(StudyInputs):
             self.select_weights(_NoBar())
         return results[first_cell:]
 
+    def prepare(self) -> None:
+        """What every lane of a study kind reads besides the priors and the probe set, made once before the jobs
+        (nothing here)."""
+
+    def more_jobs(self, me: Study) -> list:
+        """Jobs a study kind runs beside the grid's cells (``lanes.Job``, after nothing; none here)."""
+        return []
+
     def report(self, results: list[dict]) -> str:
         """tables.md (tables, chosen weights, base scores, figures) and results.json; returns the tables."""
-        needs_weights = any(get_method(a.method).coefficient for a in self.grid.arms)
+        needs_weights = bool(self.selection_keys())
         weights = self.select_weights(_NoBar()) if needs_weights else {}
         with _quiet_loading():
             return write_report(self, results, weights)

@@ -46,6 +46,9 @@ class Conduct:
     judges_beta_rule: bool = field(default=False, **UNPINNED)
     #: table kinds of the grid's own, beside ``study.tables.TABLES``: {kind: (title, columns, every arm)}
     table_kinds: dict[str, tuple[str, tuple[str, ...], bool]] = field(default_factory=dict, **UNPINNED)
+    #: with ``coefficients`` given, the weights they do not fix are chosen on validation among ``candidates``
+    #: (otherwise a weight they do not fix is refused)
+    selects_unfixed: bool = field(default=False, **UNPINNED)
 
 
 def pinned_fields(grid) -> dict:

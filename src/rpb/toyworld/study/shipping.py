@@ -22,7 +22,6 @@ import json
 import shutil
 from pathlib import Path
 
-from rpb.anchors import get_method
 from rpb.errors import RpbError
 from rpb.fileio import atomic_path
 from rpb.toyworld.study.across import report_across, studies, study_kind
@@ -57,9 +56,7 @@ def cell_paths(st: Study) -> list[Path]:
     cells = [
         st.out / "runs" / s / a.slug / f"seed{seed}" / "result.json" for s in g.sets for a in g.arms for seed in g.seeds
     ]
-    if g.coefficients is None:
-        weighted = sorted({a.method for a in g.arms if get_method(a.method).coefficient})
-        cells += [st.out / "selection" / f"{m}-{w:g}" / "result.json" for m in weighted for w in g.candidates[m]]
+    cells += [st.out / "selection" / f"{k}-{w:g}" / "result.json" for k in st.selected_keys() for w in g.candidates[k]]
     return cells
 
 

@@ -218,6 +218,16 @@ def cost_under(claim: str, diffs: dict[int, list[float]], cost: float, note: str
     return Verdict(claim, est, (lo, hi), p, word, note, p_t=t_p(diffs, -cost, "greater"))
 
 
+def threshold_above(claim: str, diffs: dict[int, list[float]], threshold: float, note: str = "") -> Verdict:
+    """ "Above ``threshold``": *reproduces* if the 95% interval's lower end is above it, *contradicted* if its
+    upper end is below it, else *inconclusive*; p = P(mean <= threshold) under the bootstrap."""
+    boot = two_stage_bootstrap(diffs)
+    est = float(np.mean([v for vs in diffs.values() for v in vs]))
+    lo, hi = interval(boot)
+    word = "reproduces" if lo > threshold else "contradicted" if hi < threshold else "inconclusive"
+    return Verdict(claim, est, (lo, hi), _p_at_most(boot, threshold), word, note, p_t=t_p(diffs, threshold, "greater"))
+
+
 def relative_differences(results: list[dict], post_set: str, arm: str, reference: str, metric: str):
     """{base: [100 x (arm - reference) / reference per seed]}: a difference in percent of the reference's value."""
     by = {(r["arm"], r.get("base", 0), r["seed"]): points(r, metric) for r in results if r["set"] == post_set}

@@ -49,6 +49,8 @@ from rpb.toyworld.world.tasks import (
 )
 
 PARTS = ("validation", "test")
+#: the seed the data-mixing rows are drawn with (``mixing_tasks``)
+MIXING_SEED = 11
 
 
 class BaseMismatchError(RpbError):
@@ -181,6 +183,14 @@ def eval_tasks(domain: str, part: str, n: int, params: dict | None = None) -> li
     return [t for t in pool if part_of(t) == part][:n]
 
 
+def mixing_tasks(domain: str, n: int, post: PostRecipe) -> list[Task]:
+    """``n`` pretraining questions of ``domain`` for data mixing: drawn from its *training* split (what the base
+    pretrained on), so none is a validation or test question of any domain (those are held out by the question's
+    text, ``tasks.split_of``); a seed of their own, so they are not the first rows pretraining saw."""
+    kw = post.base.domain_params().get(domain, {})
+    return sample(domain, n, seed=MIXING_SEED, split="train", **kw)
+
+
 def write_rows(tasks: list[Task], path: Path) -> Path:
     """Tasks as messages-form JSONL rows (written whole, then renamed into place)."""
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -270,8 +280,10 @@ def train_cell(
     anchor: dict | None = None,
     progress: bool = True,
     label: str | None = None,
+    data_mix: list[dict] | None = None,
 ) -> tuple[Path, float]:
-    """``rpb train`` on one cell; returns the checkpoint directory and the training seconds."""
+    """``rpb train`` on one cell (``data_mix``: ``data.mix``'s entries); returns the checkpoint directory and the
+    training seconds."""
     from rpb.train import run_training
 
     cfg = RunConfig(
@@ -292,7 +304,7 @@ def train_cell(
             deterministic=True,  # a cell redone after a kill scores the same
             experts_implementation=post.experts_implementation,
         ),
-        data=DataSection(seed=seed, packing=post.kernels == "fast"),
+        data=DataSection(seed=seed, packing=post.kernels == "fast", mix=list(data_mix or [])),
     )
     started = time.perf_counter()
     run_training(cfg, callbacks=[_StepBar(label or f"{method} seed {seed}", progress)])
