@@ -12,7 +12,7 @@ import torch
 from rpb.adapters import find_moe_layers, get_adapter
 from rpb.errors import ArgumentError
 from rpb.monitor import FIGURES, MonitorConfig, RoutingMonitor
-from rpb.testing.models import build_tiny_model
+from rpb.testing.models import ARCHITECTURES, build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -285,3 +285,56 @@ def test_a_kl_below_zero_by_rounding_is_zero():
     figures = layer_figures(tokens_L, tokens_L, torch.tensor([-4.1e-8, 3e-3], dtype=torch.float64),
                             torch.ones((2, 4), dtype=torch.float64))  # fmt: skip
     assert figures["kl"][0] == 0.0 and figures["kl"][1] == pytest.approx(3e-4)
+
+
+def test_with_the_base_forward_at_hand_the_routing_drift_is_read_against_the_bases_own_routing(save_tiny):
+    """routing-kd's online base: the monitor adds the base's routing on its own hidden states against the model's,
+    read against two forwards by hand (the router's drift figures stay on the current hidden states)."""
+    from rpb.anchors import AnchorConfig, install_anchor
+    from rpb.models import load_causal_lm
+    from rpb.teacher import online_base
+
+    model_dir = save_tiny("qwen3_moe")
+    model = load_causal_lm(str(model_dir)).train()
+    facts = get_adapter("qwen3_moe")
+    handle = install_anchor(model, AnchorConfig(method="routing-kd", lambda_=1.0, router_transform="softmax"))
+    handle.teacher = online_base(model, facts, model_id=str(model_dir), dtype=None, outputs=False)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # the hidden states drift, the routers do not: the router figures stay at the base's
+        for name, p in model.named_parameters():
+            if "self_attn" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.5 * p.std())
+    monitor = RoutingMonitor(model, anchor=handle).attach()
+    ids = torch.randint(5, 60, (2, 9), generator=gen)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    base = load_causal_lm(str(model_dir)).eval()
+    seen, own = {}, {}
+    hooks = [m.router.register_forward_hook(lambda mod, a, out, p=p: seen.__setitem__(p, out[0].detach()))
+             for p, m in enumerate(find_moe_layers(model, facts))]  # fmt: skip
+    hooks += [m.router.register_forward_hook(lambda mod, a, out, p=p: own.__setitem__(p, out[0].detach()))
+              for p, m in enumerate(find_moe_layers(base, facts))]  # fmt: skip
+    with torch.no_grad():
+        base(input_ids=ids)
+    sample = torch.zeros_like(ids)
+    with handle.step(sample, torch.ones_like(ids), torch.ones_like(ids)) as ctx:
+        ctx.base = handle.base_routing({"input_ids": ids}, sample)
+        with torch.no_grad():
+            model(input_ids=ids, labels=labels)
+    for h in hooks:
+        h.remove()
+    figures = monitor.flush()
+    keep = (labels != -100).reshape(-1)
+    overlaps, kls = [], []
+    for pos in sorted(seen):
+        q, p = torch.softmax(own[pos][keep].double(), -1), torch.softmax(seen[pos][keep].double(), -1)
+        k = ARCHITECTURES["qwen3_moe"][1]["num_experts_per_tok"]
+        top_q, top_p = q.topk(k, -1).indices, p.topk(k, -1).indices  # qwen3_moe: plain top-k of the softmax
+        overlaps.append((top_p[:, :, None] == top_q[:, None, :]).any(-1).sum(-1).double().mean() / k)
+        kls.append((q * (q.log() - p.log())).sum(-1).mean())
+    assert figures["routing/mean/topk_overlap"] == 1.0  # the routers have not moved
+    assert figures["routing/mean/base_forward_topk_overlap"] == pytest.approx(float(torch.stack(overlaps).mean()))
+    assert figures["routing/mean/base_forward_kl"] == pytest.approx(float(torch.stack(kls).mean()), rel=1e-4)
+    assert figures["routing/mean/base_forward_kl"] > 1e-4
+    monitor.remove()
+    handle.remove()

@@ -6,7 +6,7 @@ from tests.mutants import (
     more_audit,
     more_experts,
     more_families,
-    more_mix,
+    more_hold,
     more_monitor,
     more_newcomer,
     more_prior_values,
@@ -835,5 +835,5 @@ MUTANTS: tuple[Mutant, ...] = (
     *more_rl_grid.MUTANTS,
     *more_routes.MUTANTS,
     *more_rl_paths.MUTANTS,
-    *more_mix.MUTANTS,
+    *more_hold.MUTANTS,
 )

@@ -102,7 +102,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="rollout_dtype_under_bf16_accepted",
         story="rollout_dtype is accepted beside TRL's bf16=True default: both sides run under bfloat16 autocast, "
         "and the precision gap the user asked for is silently absent",
-        path="integrations/trl/grpo.py",
+        path="integrations/trl/grpo_checks.py",
         function="config_problems",
         pattern=r"elif rollout_dtype is not None and \(args\.bf16 or args\.fp16\):",
         replacement="elif False:",
@@ -163,7 +163,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="anchor_on_another_model_accepted",
         story="an anchor installed on another model object than the trainer's is taken as it is: its hooks sit on "
         "routers that never run",
-        path="integrations/trl/grpo.py",
+        path="integrations/trl/grpo_checks.py",
         function="trainer_problems",
         pattern=r"if anchor is not None and anchor\.model is not model:",
         replacement="if False:",

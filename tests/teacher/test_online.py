@@ -107,3 +107,34 @@ def test_output_kd_is_the_hand_kl_of_the_next_token_distributions(setup, tmp_pat
     assert float(kl) > 1e-4
     assert float(with_term.detach() - plain) == pytest.approx(0.7 * float(kl), rel=1e-4)
     prepared.handle.remove()
+
+
+def test_after_each_base_forward_the_adapters_are_on_and_the_model_computes_the_merged_one(setup):
+    """The base forward disables the adapters; the next forward is the trained model's again: the PEFT model's
+    logits equal those of a merged copy (adapters given a value: B is 0 at init)."""
+    import copy
+
+    from rpb.adapters import get_adapter
+    from rpb.lora import LoraSection, apply_lora
+    from rpb.teacher import online_base
+
+    model = AutoModelForCausalLM.from_pretrained(setup[0])
+    facts = get_adapter(model.config.model_type)
+    peft = apply_lora(model, LoraSection(rank=4, alpha=8), facts)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2, generator=torch.Generator().manual_seed(1))
+    merged = copy.deepcopy(peft).merge_and_unload().eval()
+    base = AutoModelForCausalLM.from_pretrained(setup[0]).eval()
+    teacher = online_base(peft, facts, model_id=str(setup[0]), dtype=None, outputs=True)
+    ids = torch.randint(5, 60, (2, 7), generator=torch.Generator().manual_seed(3))
+    peft.train()
+    for _ in range(3):
+        got = teacher.step({"input_ids": ids})
+        with torch.no_grad():
+            torch.testing.assert_close(got.output_BTV, base(input_ids=ids).logits.float(), rtol=1e-5, atol=1e-5)
+            now = peft(input_ids=ids).logits
+        torch.testing.assert_close(now, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(now, got.output_BTV, atol=1e-3)  # the adapters do change the output
+        assert all(m.training for m in peft.modules())  # train mode restored, module by module

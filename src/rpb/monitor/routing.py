@@ -13,6 +13,14 @@ hidden states the current model feeds each router:
 * ``load_cv``, ``max_share``, ``dead_fraction``, ``entropy``: the current selection's load per expert
   (coefficient of variation, the largest share, the share of experts never chosen, and the entropy of the
   shares over log E).
+
+Those read the *router's* drift: both selections on the current hidden states. Where the step has the base's own
+forward at hand (``routing-kd`` from the online base, or GRPO's reference model: the step context's
+``TokenContext.base``), two more read the *routing's* drift, the base's routing on its own hidden states against
+the current model's on its own, what ``rpb retention`` reports after training:
+
+* ``base_forward_topk_overlap`` and ``base_forward_kl``, as above but with the base's selection and distribution
+  from the base's own forward.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from rpb.prior import ROUTER_TRANSFORMS, router_probs
 from rpb.routing import select
 
 FIGURES = ("topk_overlap", "kl", "load_cv", "max_share", "dead_fraction", "entropy")
+#: the routing's drift, where the step carries the base's own forward (module doc)
+BASE_FORWARD_FIGURES = ("base_forward_topk_overlap", "base_forward_kl")
 
 logger = logging.getLogger("rpb.monitor")
 
@@ -63,6 +73,8 @@ class _Window:
     overlap: torch.Tensor  # [L]
     kl: torch.Tensor  # [L]
     counts_LE: torch.Tensor  # [L, E]
+    #: the base's own forward against the current one (``BASE_FORWARD_FIGURES``): tokens, overlap and KL sums
+    own_LF: torch.Tensor | None = None  # [L, 3]
 
 
 @dataclass
@@ -125,7 +137,7 @@ class RoutingMonitor:
     def _reset(self) -> None:
         L, E = len(self.layers), self.base[0]["weight"].shape[0]
         zeros = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
-        self.window = _Window(zeros(L), zeros(L), zeros(L), zeros(L, E))
+        self.window = _Window(zeros(L), zeros(L), zeros(L), zeros(L, E), zeros(L, 3))
 
     # ---- hooks ---------------------------------------------------------------------------------------
     def attach(self) -> RoutingMonitor:
@@ -185,6 +197,32 @@ class RoutingMonitor:
         if self.active:  # the anchor taps training-mode forwards only
             with torch.no_grad():
                 self._observe(pos, hidden, logits_TE)
+                ctx = self.anchor._context
+                if ctx is not None and ctx.base is not None and ctx.base.logits_LTE is not None:
+                    self._observe_base_forward(pos, logits_TE, ctx.base)
+
+    def _observe_base_forward(self, pos: int, logits_TE, base) -> None:
+        """The base's routing on its own hidden states (``base``: the step's ``BaseRouting``) against this router
+        call's, on the tokens the window counts and the base routing covers."""
+        layer, frozen = self.layers[pos], self.base[pos]
+        logits_TE = logits_TE.reshape(-1, logits_TE.shape[-1])
+        base_TE = base.logits_LTE[pos].to(logits_TE.device)
+        keep_T = torch.ones(logits_TE.shape[0], dtype=torch.bool, device=logits_TE.device)
+        if self._mask_T is not None and self._mask_T.numel() == keep_T.numel():
+            keep_T &= self._mask_T.to(keep_T.device)
+        if base.known_T is not None:
+            keep_T &= base.known_T.to(keep_T.device)
+        if not keep_T.any():
+            return
+        now_TE, base_TE = logits_TE[keep_T], base_TE[keep_T].to(logits_TE.dtype)
+        spec = frozen["spec"]
+        ids_now_TK = select(now_TE, spec, None, expert_bias_of(layer, self.facts))
+        ids_base_TK = select(base_TE, spec, None, frozen["expert_bias"])
+        hits = (ids_now_TK.unsqueeze(-1) == ids_base_TK.unsqueeze(-2)).any(-1).sum()
+        p_base = router_probs(base_TE.float(), self.transform).double()
+        p_now = router_probs(now_TE.float(), self.transform).double()
+        kl = (p_base * (p_base.clamp_min(1e-30).log() - p_now.clamp_min(1e-30).log())).sum()
+        self.window.own_LF[pos] += torch.tensor([float(keep_T.sum()), float(hits) / spec.top_k, float(kl)])
 
     def _observe(self, pos: int, hidden, logits_TE) -> None:
         """One router call. Both selections, the router's now and the base's, are made here by the family's rule
@@ -233,18 +271,23 @@ class RoutingMonitor:
     def flush(self) -> dict[str, float]:
         """The window's figures (summed over ranks first), as ``routing/...`` keys; the window restarts."""
         w = self.window
-        flat = torch.cat([w.tokens, w.overlap, w.kl, w.counts_LE.reshape(-1)])
+        flat = torch.cat([w.tokens, w.overlap, w.kl, w.counts_LE.reshape(-1), w.own_LF.reshape(-1)])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             flat = flat.to("cuda" if torch.cuda.is_available() else "cpu")
             torch.distributed.all_reduce(flat)
             flat = flat.cpu()
         L, E = w.counts_LE.shape
-        tokens, overlap, kl, counts_LE = flat[:L], flat[L : 2 * L], flat[2 * L : 3 * L], flat[3 * L :].view(L, E)
+        tokens, overlap, kl = flat[:L], flat[L : 2 * L], flat[2 * L : 3 * L]
+        counts_LE, own_LF = flat[3 * L : 3 * L + L * E].view(L, E), flat[3 * L + L * E :].view(L, 3)
         self._reset()
         seen = tokens > 0
         if not seen.any():
             return {}
         per_layer = layer_figures(tokens[seen], overlap[seen], kl[seen], counts_LE[seen])
+        if bool((own_LF[seen, 0] > 0).all()):  # every layer's routing against the base's own forward
+            own = own_LF[seen]
+            per_layer["base_forward_topk_overlap"] = own[:, 1] / own[:, 0]
+            per_layer["base_forward_kl"] = (own[:, 2] / own[:, 0]).clamp(min=0.0)
         indices = [m.layer_index for m, s in zip(self.layers, seen.tolist(), strict=True) if s]
         self.last_layers = {name: dict(zip(indices, v.tolist(), strict=True)) for name, v in per_layer.items()}
         out = {}

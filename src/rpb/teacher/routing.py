@@ -26,6 +26,8 @@ class BaseRouting:
     ids_LTK: torch.Tensor | None = None
     probs_LTK: torch.Tensor | None = None
     output_BTV: torch.Tensor | None = None
+    #: the tokens whose base routing is known (None: every one; GRPO's reference routing: the completions')
+    known_T: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:

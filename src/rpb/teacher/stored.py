@@ -57,6 +57,13 @@ class StoredRoutes:
         probs_LTK = None if self.probs_RLK is None else self.probs_RLK[at_T].transpose(0, 1)
         return BaseRouting(ids_LTK=ids_LTK.to(sample_BT.device), probs_LTK=_to(probs_LTK, sample_BT.device))
 
+    def routes_BSLK(self, sample_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The base's top-k ids (and probabilities, or None) of a ``[B, S]`` batch's tokens, ``[B, S, L, K]``: what
+        the Megatron path's ``set_micro_batch`` takes (padding reads row 0's first route: never counted)."""
+        at_BS = self.token_index(sample_BS.cpu())
+        probs = None if self.probs_RLK is None else self.probs_RLK[at_BS]
+        return self.ids_RLK[at_BS].long(), probs
+
     def token_index(self, sample_BT: torch.Tensor) -> torch.Tensor:
         """Each token's place among the stored routes (``[B, S]``): its row's first token plus its position in the
         row; padding 0."""

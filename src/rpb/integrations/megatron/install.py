@@ -44,7 +44,7 @@ def find_topk_routers(model) -> list[MegatronRouter]:
     return [MegatronRouter(pos, name, module, number) for pos, (number, name, module) in enumerate(found)]
 
 
-def _install_problems(routers: list[MegatronRouter], method: Method) -> list[str]:
+def _install_problems(routers: list[MegatronRouter], method: Method, config: AnchorConfig) -> list[str]:
     out = []
     if not routers:
         return [*out, "no megatron.core.transformer.moe.router.TopKRouter in the model"]
@@ -102,6 +102,16 @@ def _install_problems(routers: list[MegatronRouter], method: Method) -> list[str
                     f"recomputation runs the routers' first forward without grad, so {method.name}'s loss term "
                     "could not train them; use selective recomputation without 'moe'"
                 )
+    if method.teacher == "output":
+        out.append(
+            f"{method.name} on Megatron-Core: the base's next-token distribution needs a second model's forward, "
+            "which this integration does not run"
+        )
+    elif method.teacher == "routing" and config.base != "routes":
+        out.append(
+            f"{method.name} with anchor.base={config.base} on Megatron-Core: the online base (a second model's "
+            "forward) is not built here; use anchor.base=routes with the base's route file (rpb routes, or an engine's)"
+        )
     if any("routing" in vars(r.module) for r in routers):
         out.append("an anchor is already installed on these routers; remove() it first")
     if method.selection is not None and any(r.module.router_replay is not None for r in routers):
@@ -157,7 +167,7 @@ def install_megatron_anchor(
     if method is None:
         raise MegatronAnchorError(problems)
     routers = find_topk_routers(model)
-    problems += _install_problems(routers, method)
+    problems += _install_problems(routers, method, config)
     num_experts = routers[0].module.config.num_moe_experts if routers else 0
     if method.needs_prior and not problems:
         if prior is None:

@@ -67,6 +67,13 @@ forward, reduce-scatter backward), computes the whole term and returns ``1 / tp`
 ranks' shares add up to the HF term and their gradients to its gradient (``loss_shares`` says
 how many shares there are, for logging the whole value).
 
+``routing-kd`` runs here from stored routes (``anchor.base: routes``): the base's top-k per token (and its
+probabilities there, where the route file holds them) are handed in with each micro-batch
+(``set_micro_batch(..., base_ids_BSLK=, base_probs_BSLK=)``, ``[B, S, MoE layers, K]`` as
+``rpb.teacher.StoredRoutes.routes_BSLK`` reads them from the route file), laid out as each router's rows; the
+term is the HF path's (``Method.loss.term``). Under sequence parallelism they are laid out whole, in the order
+the gathered rows take. The online base (a second model's forward) is not built here: refused at install.
+
 The terms built from the forward need the router's forward to run with gradients: Megatron's
 reentrant recomputation of whole layers (``recompute_granularity="full"``) or of the MoE layer
 (``recompute_modules`` with ``"moe"``) runs the first forward without them, so those settings
@@ -94,6 +101,7 @@ from rpb.integrations.megatron.layout import router_rows
 # topk_routing_function is re-exported: install.py imports it from here
 from rpb.integrations.megatron.topk_hook import forced_topk, megatron_select, topk_routing_function  # noqa: F401
 from rpb.prior import STRUCTURAL
+from rpb.teacher.routing import BaseRouting
 
 
 class MegatronAnchorError(RpbError):
@@ -157,7 +165,13 @@ class MegatronAnchorHandle(RoutingFigures):
     _inputs: dict = field(default_factory=dict)
 
     # ---- per-micro-batch context -----------------------------------------------------
-    def set_micro_batch(self, sample_BS: torch.Tensor, span_BS: torch.Tensor) -> TokenContext:
+    def set_micro_batch(
+        self,
+        sample_BS: torch.Tensor,
+        span_BS: torch.Tensor,
+        base_ids_BSLK: torch.Tensor | None = None,
+        base_probs_BSLK: torch.Tensor | None = None,
+    ) -> TokenContext:
         """Set the (sample, span) of every token of the micro-batch about to run forward.
 
         ``sample_BS`` / ``span_BS`` are the full micro-batch as the data loader yields it
@@ -165,7 +179,8 @@ class MegatronAnchorHandle(RoutingFigures):
         ``layout.pack_thd``); padding has sample -1. The handle lays them out as this TP rank's
         routers see their rows. The context stays set -- through backward and any
         recomputation -- until the next call or ``clear()``; the anchor's loss terms of the
-        micro-batch live in it.
+        micro-batch live in it. ``routing-kd`` also takes the base's stored routes of these tokens
+        (``base_ids_BSLK``, and ``base_probs_BSLK`` where the route file holds probabilities).
         """
         if sample_BS.shape != span_BS.shape:
             raise ValueError(f"sample index {tuple(sample_BS.shape)} and span {tuple(span_BS.shape)} differ in shape")
@@ -174,16 +189,44 @@ class MegatronAnchorHandle(RoutingFigures):
         valid_T = sample_T >= 0
         span_T = torch.where(valid_T, span_T, torch.full_like(span_T, STRUCTURAL))
         self._context = TokenContext(sample_T, span_T, valid_T)
+        if self.method.teacher == "routing":
+            self._context.base = self._base_rows(sample_BS, base_ids_BSLK, base_probs_BSLK)
         return self._context
+
+    def _base_rows(self, sample_BS, ids_BSLK, probs_BSLK) -> BaseRouting:
+        """The base's stored routes laid out as the routers' rows (the whole micro-batch's under sequence
+        parallelism, where the term reads the gathered rows)."""
+        if ids_BSLK is None:
+            raise RuntimeError(
+                f"{self.method.name}: the micro-batch has no base routes; pass base_ids_BSLK (and base_probs_BSLK) "
+                "to set_micro_batch, read from the route file (rpb.teacher.StoredRoutes.routes_BSLK)"
+            )
+        B, S, L, K = ids_BSLK.shape
+        if tuple(sample_BS.shape) != (B, S) or len(self.routers) != L:
+            raise RuntimeError(
+                f"{self.method.name}: base routes of shape {tuple(ids_BSLK.shape)} for a micro-batch "
+                f"{tuple(sample_BS.shape)} of {len(self.routers)} routers"
+            )
+        tp_rank, tp_size = (0, 1) if self._split else (self.tp_rank, self.tp_size)
+
+        def rows(x_BSLK):  # [B, S, L, K] -> [L, T, K] in router row order
+            per = [
+                torch.stack([router_rows(x_BSLK[:, :, pos, k], tp_rank, tp_size, False) for k in range(K)], -1)
+                for pos in range(L)
+            ]
+            return torch.stack(per)
+
+        probs = None if probs_BSLK is None else rows(probs_BSLK.float())
+        return BaseRouting(ids_LTK=rows(ids_BSLK.long()), probs_LTK=probs)
 
     def clear(self) -> None:
         self._context = None
         self._inputs = {}
 
     @contextlib.contextmanager
-    def step(self, sample_BS: torch.Tensor, span_BS: torch.Tensor):
+    def step(self, sample_BS: torch.Tensor, span_BS: torch.Tensor, base_ids_BSLK=None, base_probs_BSLK=None):
         """``set_micro_batch`` for a block that holds forward *and* backward; clears on exit."""
-        ctx = self.set_micro_batch(sample_BS, span_BS)
+        ctx = self.set_micro_batch(sample_BS, span_BS, base_ids_BSLK, base_probs_BSLK)
         try:
             yield ctx
         finally:
@@ -293,6 +336,10 @@ class MegatronAnchorHandle(RoutingFigures):
         state = self._state(r)
         state.logits_TE, state.valid_T = parts[0], valid_T
         state.base_logits_TE = parts[1] if len(parts) > 1 else None
+        if "base_routing" in anchor.reads:
+            base = ctx.base
+            state.routing_ids_TK = base.ids_LTK[r.pos].to(logits_TE.device)
+            state.routing_probs_TK = None if base.probs_LTK is None else base.probs_LTK[r.pos].to(logits_TE.device)
         # every rank computed the whole term; each contributes 1 / tp (module doc)
         term = self._share(anchor.term(state))
         # computed on every call, so a recomputed forward saves exactly what the first one did

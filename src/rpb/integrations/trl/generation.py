@@ -57,6 +57,8 @@ class GenerationState:
     logps: list[torch.Tensor] | None = None
     #: after ``close``, for a prior-reading anchor: per rollout (sample, prompt spans, completion spans)
     labels: list | None = None
+    #: routing-kd with ``beta > 0``: the reference forward's router logits at the completion positions ``[B, C, L, E]``
+    base_routing: torch.Tensor | None = None
     #: inside TRL's scoring (generation and the old-log-prob forward)
     scoring: bool = True
     #: the first training-side forward's own routing [B, S, L, K], once it ran

@@ -30,6 +30,8 @@ What this changes about TRL, and why:
   against float32 training forwards, an engine's precision gap on the CPU; ``rollout_dtype`` with ``bf16=True``
   would change nothing and is refused.
 * **Evaluation routes freely**: no recording, no replay, no bias in ``evaluate()``'s forwards.
+* **routing-kd** reads the reference model's routing of each rollout where ``beta`` > 0 (no forward added), else
+  its own base forward; ``output-kd`` is TRL's ``beta``, refused (``base_routing``).
 """
 
 from __future__ import annotations
@@ -43,15 +45,23 @@ import torch
 import trl
 from trl.trainer.utils import split_tensor_dict
 
-from rpb.anchors import AnchorConfig, AnchorHandle, install_anchor
+from rpb.anchors import AnchorConfig, install_anchor
 from rpb.config import ConfigError
+from rpb.integrations.trl.base_routing import (
+    BASE_ROUTING,
+    BaseRoutingCapture,
+    adapters_disabled,
+    step_routing,
+    teacher_problems,
+)
 from rpb.integrations.trl.generation import GenerationState
-from rpb.integrations.trl.rl_prior import PREPARED_COLUMNS, batch_labels
-from rpb.integrations.trl.rollouts import ROUTE_READERS, RolloutRoutes
-from rpb.integrations.trl.scaling import SCALING, token_weights_BC
+from rpb.integrations.trl.grpo_checks import config_problems, trainer_problems
+from rpb.integrations.trl.rl_prior import batch_labels
+from rpb.integrations.trl.rollouts import RolloutRoutes
+from rpb.integrations.trl.scaling import token_weights_BC
 from rpb.integrations.trl.sft import hold_native_aux_off
 from rpb.observe.hooks import on_model_inputs
-from rpb.replay import REPLAY_MODES, RouteReplay
+from rpb.replay import RouteReplay
 
 logger = logging.getLogger(__name__)
 
@@ -114,72 +124,6 @@ def _say_precision(args) -> None:
         logger.warning("rpb GRPO: %s", line)
 
 
-def config_problems(args) -> list[str]:
-    """The config's own conflicts: its fields alone say them."""
-    out = []
-    if args.router_aux_loss_coef not in (None, 0.0):
-        out.append(
-            f"router_aux_loss_coef={args.router_aux_loss_coef}: rpb runs add no native load-balancing loss; for a "
-            "load-balancing anchor use anchor.method=lbl (one term, rpb's own)"
-        )
-    if args.loss_type not in SCALING:
-        out.append(
-            f"loss_type={args.loss_type!r}: the anchors do not know how this TRL loss aggregates its tokens, so "
-            f"they cannot be scaled to it (known: {', '.join(sorted(SCALING))})"
-        )
-    replay = getattr(args, "replay", "off")
-    if replay not in REPLAY_MODES:
-        out.append(f"replay={replay!r}: one of {', '.join(REPLAY_MODES)}")
-    if replay == "R3" and getattr(args, "use_transformers_continuous_batching", False):
-        out.append(
-            "use_transformers_continuous_batching with replay='R3': the paged generate_batch path mixes requests "
-            "in one forward and returns no per-token routes to record; use the regular generate path"
-        )
-    if getattr(args, "routes_format", "vllm") not in ROUTE_READERS:
-        out.append(f"routes_format={args.routes_format!r}: one of {', '.join(ROUTE_READERS)}")
-    rollout_dtype = getattr(args, "rollout_dtype", None)
-    if rollout_dtype not in (None, "bfloat16"):
-        out.append(f"rollout_dtype={rollout_dtype!r}: None or 'bfloat16'")
-    elif rollout_dtype is not None and (args.bf16 or args.fp16):
-        out.append(
-            f"rollout_dtype={rollout_dtype!r} with {'bf16' if args.bf16 else 'fp16'}=True: the training forwards "
-            "already run under that autocast (TRL's GRPOConfig defaults bf16=True), so generation would differ "
-            "from training in nothing; set bf16=False to train in the model's dtype"
-        )
-    return out
-
-
-def trainer_problems(
-    args, model, anchor: AnchorHandle | None, columns: tuple = (), has_rollout_func: bool = False
-) -> list[str]:
-    """What the config cannot say alone: the anchor against the model and the data, replay against the
-    generation path."""
-    out = []
-    replay = getattr(args, "replay", "off")
-    if anchor is not None and anchor.model is not model:
-        out.append(
-            "anchor: installed on another model object than the one given to the trainer; install it on this one "
-            "(TRL's own peft_config wrapping is followed, an object swapped by hand is not)"
-        )
-    if anchor is not None and anchor.method.needs_prior and replay == "R3":
-        out.append(
-            f"anchor.method={anchor.method.name} with replay='R3': the rollout's routes are bias-free (rollouts "
-            "stay bias-free, like the model that will be served), so replaying them cancels the bias's effect on "
-            "selection; use R2 (its routes are the biased training forward's own) or off (docs/rl.md)"
-        )
-    if anchor is not None and anchor.method.needs_prior and not set(PREPARED_COLUMNS) <= set(columns):
-        out.append(
-            f"anchor.method={anchor.method.name} reads a prior per row and span: build the dataset with "
-            "rpb.integrations.trl.prepare_grpo (each row's sample index and rpb's labels of its prompt)"
-        )
-    if replay == "R3" and getattr(args, "use_vllm", False) and not has_rollout_func:
-        out.append(
-            "use_vllm with replay='R3': TRL's vLLM client returns no routes and rpb does not patch it; hand them in "
-            "with a rollout_func returning 'routed_experts' per rollout (docs/rl.md)"
-        )
-    return out
-
-
 class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
     """TRL's ``GRPOTrainer`` with an rpb anchor (``anchor``: an installed ``AnchorHandle``; None installs the
     plain ``sft`` one, which adds nothing and lets ``rpb.monitor`` read the training forward) and routing replay
@@ -198,6 +142,7 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         problems = config_problems(args) + trainer_problems(
             args, model, anchor, columns, kwargs.get("rollout_func") is not None
         )
+        problems += teacher_problems(args, anchor, model, kwargs.get("peft_config"))
         if problems:
             raise ConfigError("rpb.integrations.trl.GRPOTrainer", problems)
         hold_native_aux_off(args)
@@ -209,6 +154,13 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         if self.model is not self.anchor.model:  # TRL wrapped it (peft_config): the routers that run are PEFT's
             self.anchor = self.anchor.reinstall(self.model)
         self.replay = RouteReplay(self.model, adapter=self.anchor.facts.model_type)
+        self._base_capture = None
+        if self.anchor.method.teacher == "routing" and self.beta != 0.0:
+            self._base_capture = BaseRoutingCapture()  # the reference forward's routing, read as TRL runs it
+        elif self.anchor.method.teacher == "routing" and self.anchor.teacher is None:
+            from rpb.teacher import OnlineBase
+
+            self.anchor.teacher = OnlineBase("adapters-off", self.anchor.facts, self.model)
         # generate() forwards the causal LM itself, under any PEFT wrapper: its inputs say each step's shape
         base = self.model.get_base_model() if callable(getattr(self.model, "get_base_model", None)) else self.model
         self._generating = base
@@ -260,10 +212,22 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         first = state is not None and state.scoring and policy and state.first_routes is None
         if first and self._trl_scores_old_logps():  # TRL's old-log-prob forward: the first training-side forward
             return self._first_forward(model, input_ids, attention_mask, logits_to_keep, *a, **kw)
+        if state is not None and state.scoring and self._base_capture is not None and self._is_reference(model):
+            with self._base_capture.reading(self.accelerator.unwrap_model(model), self.anchor.facts, logits_to_keep):
+                out = super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, *a, **kw
+                )
+            state.base_routing = self._base_capture.routing_BCLE()
+            return out
         out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *a, **kw)
         if self._micro is not None and policy and state is None:
             self._micro["train_logps"] = out[0].detach()
         return out
+
+    def _is_reference(self, model) -> bool:
+        """TRL's reference forward: the reference model, or (PEFT, no reference model) the policy with its adapters
+        disabled."""
+        return not self._is_policy(model) or adapters_disabled(self.accelerator.unwrap_model(model))
 
     def _first_forward(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
         """The first training-side forward of a generation batch (no gradients): R3 replays the rollouts' routes,
@@ -324,6 +288,12 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
             sample_B, span_BS = batch_labels(state.labels, P, C)
             output["rpb_sample_index"] = sample_B.to(device)
             output["rpb_span_ids"] = span_BS.to(device)
+        if state.base_routing is not None:
+            output[BASE_ROUTING] = state.base_routing.to(device)
+            mib = state.base_routing.numel() * 4 / 2**20
+            shape = "x".join(map(str, state.base_routing.shape))
+            said = f"each generation batch ([B, C, L, E] = {shape} float32, {mib:.1f} MiB)"
+            self._say_once("base-routing", f"rpb GRPO: routing-kd carries the reference model's routing with {said}")
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs:  # a training log, on every rank: the rollout figures over both ranks' tokens
@@ -378,6 +348,12 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         if "rpb_span_ids" in inputs:
             sample_BS = torch.where(mask_BS.bool(), inputs["rpb_sample_index"][:, None], -1)
             span_BS = inputs["rpb_span_ids"]
+        base = None  # the base's routing first: its own forward (beta = 0) runs before any context opens
+        if BASE_ROUTING in inputs:
+            base = step_routing(inputs[BASE_ROUTING], inputs["prompt_ids"].shape[1])
+        elif self.anchor.teacher is not None:
+            batch = {"input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)}
+            base = self.anchor.base_routing(batch | {"attention_mask": mask_BS}, sample_BS)
         stack = contextlib.ExitStack()
         self._micro = {
             "inputs": inputs,
@@ -387,7 +363,7 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
             "stack": stack,
             "train_logps": None,
         }
-        stack.enter_context(self.anchor.step(sample_BS, span_BS, mask_BS, normalised_BS))
+        stack.enter_context(self.anchor.step(sample_BS, span_BS, mask_BS, normalised_BS)).base = base
         stack.enter_context(self.replay.forward(routes))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
