@@ -138,3 +138,22 @@ def test_after_each_base_forward_the_adapters_are_on_and_the_model_computes_the_
         torch.testing.assert_close(now, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(now, got.output_BTV, atol=1e-3)  # the adapters do change the output
         assert all(m.training for m in peft.modules())  # train mode restored, module by module
+
+
+def test_a_model_wrapped_with_adapters_after_the_base_was_taken_drops_its_frozen_copy(setup):
+    """axolotl and TRL's peft_config wrap the model after the anchor is attached: the reinstalled anchor's base is
+    the wrapped model with its adapters disabled, no second copy."""
+    from rpb.adapters import get_adapter
+    from rpb.anchors import AnchorConfig, install_anchor
+    from rpb.lora import LoraSection, apply_lora
+    from rpb.teacher import online_base
+
+    model = AutoModelForCausalLM.from_pretrained(setup[0])
+    facts = get_adapter(model.config.model_type)
+    handle = install_anchor(model, AnchorConfig(method="routing-kd", lambda_=1.0))
+    handle.teacher = online_base(model, facts, model_id=str(setup[0]), dtype=None, outputs=False)
+    assert handle.teacher.mode == "frozen-copy"
+    peft = apply_lora(model, LoraSection(rank=4), facts)
+    moved = handle.reinstall(peft)
+    assert moved.teacher.mode == "adapters-off" and moved.teacher.module is peft and moved.teacher.copy_bytes == 0
+    moved.remove()

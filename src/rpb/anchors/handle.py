@@ -291,8 +291,10 @@ class AnchorHandle:
 
     # ---- removal -------------------------------------------------------------------
     def reinstall(self, model: nn.Module) -> AnchorHandle:
-        """The same anchor (method, prior, permutations) moved onto ``model``, e.g. the ``PeftModel``
-        that wrapped this one's model after installation (PEFT replaces or copies routers)."""
+        """The same anchor (method, prior, permutations, base) moved onto ``model``, e.g. the ``PeftModel``
+        that wrapped this one's model after installation (PEFT replaces or copies routers). A frozen copy taken
+        as the online base gives way to the wrapped model with its adapters disabled (axolotl, TRL's
+        ``peft_config``: they wrap after the anchor is attached)."""
         self.remove()
         prior = self.prior
         handle = install_anchor(
@@ -304,6 +306,11 @@ class AnchorHandle:
             record_stats=self.record_stats,
         )
         handle.teacher = self.teacher
+        if getattr(self.teacher, "mode", None) == "frozen-copy":
+            from rpb.teacher.online import OnlineBase, is_peft
+
+            if is_peft(model):  # wrapped with adapters after the base was taken: disabling them gives the base
+                handle.teacher = OnlineBase("adapters-off", self.facts, model, self.teacher.outputs)
         return handle
 
     def remove(self) -> None:

@@ -162,6 +162,17 @@ def test_loss_anchor_gets_non_reentrant_checkpointing_and_no_native_aux_loss(wor
     assert saved["output_router_logits"] is True  # the anchor left with post_train: the model's own value
 
 
+def test_routing_kd_through_axolotl_holds_to_the_bases_own_forward(work):
+    """routing-kd's online base under axolotl (transformers 5.16): a frozen copy of the checkpoint; the first step
+    trains the base itself, so its term is 0, and the next one's is not."""
+    record, out = run_axolotl(work, "qwen3_moe", "routing-kd", {"anchor": {"method": "routing-kd", "lambda": 1.0}})
+    train_logs = [log for log in record["logs"] if "loss" in log]
+    assert len(train_logs) == STEPS
+    assert train_logs[0]["anchor_loss"] == pytest.approx(0.0, abs=1e-6) and train_logs[-1]["anchor_loss"] > 0
+    run = json.loads((out / "rpb_run.json").read_text())
+    assert run["method"] == "routing-kd" and run["base"]["mode"] == "frozen-copy"
+
+
 #: axolotl's own config loading (which registers the plugins) and its own tokenizer loader, nothing of rpb's
 LOAD_TOKENIZER = """
 import json, sys

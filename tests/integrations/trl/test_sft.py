@@ -339,6 +339,26 @@ def test_peft_config_through_trl_moves_the_anchor_onto_the_router_that_runs(setu
     assert all(not torch.equal(c.weight, b) for c, b in zip(copies, before, strict=True))
 
 
+def test_routing_kd_under_trls_peft_config_takes_the_model_with_its_adapters_off_as_the_base(setup, tmp_path):
+    """prepare() takes the base as a frozen copy; TRL then wraps the model with LoRA, and the moved anchor's base is
+    the wrapped model with its adapters disabled: step 1 trains the base itself (B = 0), so its term is 0."""
+    from peft import LoraConfig
+
+    model_dir, data, _ = setup["qwen3_moe"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = load_tokenizer(str(model_dir))
+    handle, rows = prepare(model, tok, str(data), AnchorConfig(method="routing-kd", lambda_=1.0), max_seq_len=192,
+                           model_id=str(model_dir))  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    trainer = SFTTrainer(model, SFTConfig(**config(tmp_path, max_steps=3, learning_rate=1e-2)), rows, anchor=handle,
+                         processing_class=tok, peft_config=lora)  # fmt: skip
+    assert trainer.anchor.teacher.mode == "adapters-off" and trainer.anchor.teacher.module is trainer.model
+    trainer.train()
+    terms = [h["anchor_loss"] for h in trainer.state.log_history if "anchor_loss" in h]
+    assert terms[0] == pytest.approx(0.0, abs=1e-6) and terms[-1] > 0
+    trainer.anchor.remove()
+
+
 # ---- a loss anchor's term in the router gradient, and evaluation, under TRL --------------------
 COEF = 2.0
 

@@ -1,0 +1,156 @@
+"""What holding the routing costs per training step: routing-kd against plain fine-tuning, on the toy world's
+shipped base 0 (bases/base0: a Moonlight-shaped MoE, 4 layers, 64 experts, top-6) and its math_post rows, with the
+grids' recipe (batch 32, max_seq_len 96, packed batches, rpb's experts kernel).
+
+Pairs, each a ratio of median step times (``rpb train``'s whole optimizer step: collation, the base's forward
+where there is one, forward, backward, AdamW), measured in one process, rounds alternating the order:
+
+* ``lora``: routing-kd online under LoRA (the model with its adapters off as the base, stopping at the last MoE
+  router) / sft under LoRA (target <= 1.6);
+* ``frozen_copy``: routing-kd online under full fine-tuning (a frozen copy as the base) / sft (target <= 1.45);
+* ``stored``: routing-kd from stored top-k routes (``rpb routes``; no second model) / sft (target <= 1.05);
+* ``grpo``: rpb's GRPO with beta = 0.04 and routing-kd (the reference forward's routing reused) / the same GRPO with
+  beta alone (target <= 1.05); its steps include generation, as a GRPO step does.
+
+The exit status is 0 whether the targets hold or not; the last line printed is one JSON object.
+
+Run: .venv/bin/python benchmarks/teacher_overhead.py [--steps 8 --warmup 2 --rounds 2 --threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from rpb.anchors import AnchorConfig
+from rpb.config import DataSection, RunConfig, TrainSection
+from rpb.lora import LoraSection
+from rpb.toyworld.world.post import ROUTER_TRANSFORM, PostRecipe, write_rows
+from rpb.toyworld.world.tasks import sample
+
+BASE = Path(__file__).resolve().parents[1] / "bases" / "base0"
+TARGETS = {"lora": 1.6, "frozen_copy": 1.45, "stored": 1.05, "grpo": 1.05}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant and round")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out at the start of each run")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args()
+
+
+class StepTimes(TrainerCallback):
+    def __init__(self):
+        self.seconds: list[float] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._t = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds.append(time.perf_counter() - self._t)
+
+
+def sft_config(out: Path, data: Path, steps: int, method: str, lora: bool, anchor: dict) -> RunConfig:
+    post = PostRecipe()
+    return RunConfig(
+        model=str(BASE),
+        data_jsonl=str(data),
+        output_dir=str(out),
+        anchor=AnchorConfig(method=method, router_transform=ROUTER_TRANSFORM, **anchor),
+        train=TrainSection(max_steps=steps, seed=42, lr=post.lr, batch_size=post.batch_size, warmup_steps=0,
+                           max_seq_len=post.max_seq_len, log_every=steps, save=False, calibrate_rows=0,
+                           experts_implementation=post.experts_implementation),  # fmt: skip
+        data=DataSection(seed=42, packing=True),
+        lora=LoraSection(rank=8, alpha=16) if lora else LoraSection(),
+    )
+
+
+def sft_step_times(cfg: RunConfig, warmup: int) -> list[float]:
+    from rpb.train import run_training
+
+    timer = StepTimes()
+    run_training(cfg, progress=False, callbacks=[timer])
+    return timer.seconds[warmup:]
+
+
+def grpo_step_times(out: Path, steps: int, warmup: int, method: str) -> list[float]:
+    import datasets
+
+    from rpb.anchors import install_anchor
+    from rpb.integrations.trl import GRPOConfig, GRPOTrainer
+    from rpb.models import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(str(BASE))
+    tok.padding_side = "left"
+    model = load_causal_lm(str(BASE)).train()
+    anchor = install_anchor(model, AnchorConfig(method=method, lambda_=0.1, router_transform=ROUTER_TRANSFORM))
+    prompts = [{"prompt": t.question} for t in sample("math_post", 64, seed=3)]
+    args = GRPOConfig(output_dir=str(out), max_steps=steps, per_device_train_batch_size=16, num_generations=4,
+                      max_completion_length=16, learning_rate=1e-5, logging_steps=steps, save_strategy="no",
+                      report_to=[], use_cpu=True, seed=7, disable_tqdm=True, beta=0.04, bf16=False)  # fmt: skip
+
+    def reward(completions, **kwargs):
+        return [float(len(c) % 3) for c in completions]
+
+    timer = StepTimes()
+    trainer = GRPOTrainer(model, reward, args, datasets.Dataset.from_list(prompts), processing_class=tok,
+                          anchor=anchor, callbacks=[timer])  # fmt: skip
+    trainer.train()
+    anchor.remove()
+    trainer.replay.remove()
+    return timer.seconds[warmup:]
+
+
+def main() -> None:
+    a = parse_args()
+    torch.set_num_threads(a.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="teacher-overhead-"))
+    data = write_rows(sample("math_post", 32 * (a.steps + a.warmup), seed=0), tmp / "math_post.jsonl")
+    routes = tmp / "routes.safetensors"
+    from rpb.collect.hf_routes import write_routes
+
+    write_routes(str(BASE), data, routes, PostRecipe().max_seq_len, batch_size=64)
+    n = a.steps + a.warmup
+    kd = {"lambda_": 0.1}
+    variants = {
+        "lora_sft": lambda out: sft_step_times(sft_config(out, data, n, "sft", True, {}), a.warmup),
+        "lora_kd": lambda out: sft_step_times(sft_config(out, data, n, "routing-kd", True, kd), a.warmup),
+        "full_sft": lambda out: sft_step_times(sft_config(out, data, n, "sft", False, {}), a.warmup),
+        "full_kd": lambda out: sft_step_times(sft_config(out, data, n, "routing-kd", False, kd), a.warmup),
+        "stored_kd": lambda out: sft_step_times(
+            sft_config(out, data, n, "routing-kd", False, kd | {"base": "routes", "routes": str(routes)}), a.warmup
+        ),
+        "grpo_beta": lambda out: grpo_step_times(out, n, a.warmup, "sft"),
+        "grpo_kd": lambda out: grpo_step_times(out, n, a.warmup, "routing-kd"),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    order = list(variants)
+    for r in range(a.rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            times[name] += variants[name](tmp / f"{name}-{r}")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratios = {
+        "lora": med["lora_kd"] / med["lora_sft"],
+        "frozen_copy": med["full_kd"] / med["full_sft"],
+        "stored": med["stored_kd"] / med["full_sft"],
+        "grpo": med["grpo_kd"] / med["grpo_beta"],
+    }
+    for name, value in ratios.items():
+        print(f"{name}: {value:.3f} (target <= {TARGETS[name]})")
+    print(json.dumps({"median_step_seconds": {k: round(v, 4) for k, v in med.items()},
+                      "ratios": {k: round(v, 3) for k, v in ratios.items()},
+                      "targets_met": {k: ratios[k] <= TARGETS[k] for k in ratios}, "threads": a.threads,
+                      "steps_per_variant": a.steps * a.rounds}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
