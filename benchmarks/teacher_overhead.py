@@ -61,14 +61,15 @@ class StepTimes(TrainerCallback):
 
 def sft_config(out: Path, data: Path, steps: int, method: str, lora: bool, anchor: dict) -> RunConfig:
     post = PostRecipe()
+    train = TrainSection(max_steps=steps, seed=42, lr=post.lr, batch_size=post.batch_size, warmup_steps=0,
+                         max_seq_len=post.max_seq_len, log_every=steps, save=False, calibrate_rows=0,
+                         experts_implementation=post.experts_implementation)  # fmt: skip
     return RunConfig(
         model=str(BASE),
         data_jsonl=str(data),
         output_dir=str(out),
         anchor=AnchorConfig(method=method, router_transform=ROUTER_TRANSFORM, **anchor),
-        train=TrainSection(max_steps=steps, seed=42, lr=post.lr, batch_size=post.batch_size, warmup_steps=0,
-                           max_seq_len=post.max_seq_len, log_every=steps, save=False, calibrate_rows=0,
-                           experts_implementation=post.experts_implementation),  # fmt: skip
+        train=train,
         data=DataSection(seed=42, packing=True),
         lora=LoraSection(rank=8, alpha=16) if lora else LoraSection(),
     )
