@@ -769,7 +769,7 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         "method's selection run over while that run is still training in another lane, in the same folder",
         path="toyworld/study/cells.py",
         function="Study.grid_cell",
-        pattern=r"self\.select_weights\(_NoBar\(\), only=arm\.method\)",
+        pattern=r"self\.select_weights\(_NoBar\(\), only=key\)",
         replacement="self.select_weights(_NoBar())",
         tests=("tests/toyworld/study/test_cells.py::test_a_cell_never_touches_another_methods_selection_runs",),
     ),
