@@ -26,7 +26,7 @@ import contextlib
 import torch
 
 from rpb.adapters import find_moe_layers
-from rpb.observe.hooks import on_router_calls
+from rpb.observe.hooks import on_model_inputs, on_router_calls
 from rpb.teacher import BaseRouting
 from rpb.teacher.online import is_peft
 
@@ -78,7 +78,7 @@ class BaseRoutingCapture:
         self._chunks = {pos: [] for pos in range(len(layers))}
         shape: dict = {}
 
-        def on_inputs(module, args, kwargs):
+        def on_inputs(args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
             shape["BS"] = tuple(ids.shape)
 
@@ -88,12 +88,8 @@ class BaseRoutingCapture:
             chunk = logits_TE.detach().float().reshape(B, S, -1)[:, S - completion_len :]
             self._chunks[call.pos].append(chunk.cpu())
 
-        pre = model.register_forward_pre_hook(on_inputs, with_kwargs=True)
-        try:
-            with on_router_calls(layers, on_call):
-                yield
-        finally:
-            pre.remove()
+        with on_model_inputs(model, on_inputs), on_router_calls(layers, on_call):
+            yield
 
     def routing_BCLE(self) -> torch.Tensor:
         per_layer = [torch.cat(self._chunks[pos]) for pos in sorted(self._chunks)]

@@ -271,6 +271,13 @@ def judge_hold(results: list[dict], sets: tuple[str, ...]) -> list[Verdict]:
     return family + outside
 
 
+def report_hold(grid, studies: list, results: list[dict], out: Path) -> str:
+    """The report across the bases (``rpb.toyworld.grids.hold_report``)."""
+    from rpb.toyworld.grids.hold_report import write_hold_report
+
+    return write_hold_report(grid, studies, results, out, judge_hold)
+
+
 GRID = HoldGrid(
     "hold",
     POST_SETS,
@@ -282,6 +289,7 @@ GRID = HoldGrid(
     post=STUDY_POST,
     about="routing-kd (online and stored routes) against sft, output-kd, kl-to-base, data mixing and rpb",
     study=HoldStudy,
+    report=report_hold,
     claims=judge_hold,
     selects_unfixed=True,
 )

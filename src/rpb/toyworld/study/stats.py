@@ -220,12 +220,14 @@ def cost_under(claim: str, diffs: dict[int, list[float]], cost: float, note: str
 
 def threshold_above(claim: str, diffs: dict[int, list[float]], threshold: float, note: str = "") -> Verdict:
     """ "Above ``threshold``": *reproduces* if the 95% interval's lower end is above it, *contradicted* if its
-    upper end is below it, else *inconclusive*; p = P(mean <= threshold) under the bootstrap."""
+    upper end is below it, else *inconclusive*; p is two-sided against the threshold, as ``greater``'s against 0, so
+    Holm keeps a clear verdict either way."""
     boot = two_stage_bootstrap(diffs)
     est = float(np.mean([v for vs in diffs.values() for v in vs]))
     lo, hi = interval(boot)
     word = "reproduces" if lo > threshold else "contradicted" if hi < threshold else "inconclusive"
-    return Verdict(claim, est, (lo, hi), _p_at_most(boot, threshold), word, note, p_t=t_p(diffs, threshold, "greater"))
+    p = min(1.0, 2 * min(_p_at_most(boot, threshold), _p_at_least(boot, threshold)))
+    return Verdict(claim, est, (lo, hi), p, word, note, p_t=t_p(diffs, threshold))
 
 
 def relative_differences(results: list[dict], post_set: str, arm: str, reference: str, metric: str):
