@@ -45,8 +45,8 @@ def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -> s
     ]
     for arm in arms:
         cells = [r for r in results if r["set"] == post_set and r["arm"] == arm]
-        figures = [mean_sd([v for r in cells if not np.isnan(v := _figure_of(r, k))], d) for k, d in
-                   (("id", 1), ("ood", 1), ("topk_overlap", 3), ("tvd", 3), ("nmi", 3))]  # fmt: skip
+        shown = (("id", 1), ("ood", 1), ("topk_overlap", 3), ("tvd", 3), ("nmi", 3))
+        figures = [mean_sd([v for r in cells if not np.isnan(v := _figure_of(r, k))], d) for k, d in shown]
         lines.append(f"| {arm} | {len(cells)} | " + " | ".join(figures) + " |")
     return "\n".join(lines) + "\n"
 
@@ -138,16 +138,18 @@ def hold_figure(results: list[dict], sets: tuple[str, ...], arms: tuple[str, ...
                     interval(two_stage_bootstrap(_by_base(cells, k))) for k in ("topk_overlap", "ood")
                 )
                 mx, my = float(np.mean(x)), float(np.mean(y))
-                ax.errorbar(mx, my, xerr=[[mx - xlo], [xhi - mx]], yerr=[[my - ylo], [yhi - my]], marker="s",
-                            ms=6, color=colours[arm], capsize=2, label=arm, gid=f"{s}-{arm}-mean")  # fmt: skip
+                bars = {"xerr": [[mx - xlo], [xhi - mx]], "yerr": [[my - ylo], [yhi - my]]}
+                ax.errorbar(
+                    mx, my, **bars, marker="s", ms=6, color=colours[arm], capsize=2, label=arm, gid=f"{s}-{arm}-mean"
+                )
             ax.set_title(s)
             ax.set_xlabel("top-k overlap with the base (probe set)")
             ax.grid(color="0.9", lw=0.6)
         axes[0].set_ylabel("out-of-domain exact match (%)")
         handles, labels = axes[0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="outside right center", frameon=False)
-        fig.suptitle("Grid `hold`: keeping the routing against keeping what the base knew\n"
-                     "each cell, and each arm's mean with its 95% interval (bases, then seeds)")  # fmt: skip
+        title = "Grid `hold`: keeping the routing against keeping what the base knew"
+        fig.suptitle(f"{title}\neach cell, and each arm's mean with its 95% interval (bases, then seeds)")
     return fig
 
 
