@@ -94,7 +94,8 @@ def _routes(args) -> int:
         chat_template_kwargs=args.chat_template_kwargs,
         probs_transform=args.with_probs,
     )
-    probs = f", with router probabilities ({args.with_probs})" if args.with_probs else ""
+    read_as = "the family's own transform" if args.with_probs == "family" else args.with_probs
+    probs = f", with router probabilities ({read_as})" if args.with_probs else ""
     print(f"wrote {args.out}: routes of {n} rows in vLLM's layout{probs} (rpb collect --from-routes reads it)")
     return 0
 
