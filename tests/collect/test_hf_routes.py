@@ -71,3 +71,34 @@ def test_the_command_line_writes_routes_and_requests(replica, tmp_path, capsys):
     assert rf.metadata["model"] == str(model_dir) and "vLLM layout" in rf.metadata["engine"]
     assert main(common) != 0
     assert "needs --out" in capsys.readouterr().err
+
+
+def test_with_probs_stores_the_routers_probabilities_at_the_routed_experts(replica, tmp_path, capsys):
+    """--with-probs alone reads the family's own transform (DeepSeek-V3: the normalised sigmoid): each stored
+    probability is that transform of the router's own logits at the expert it routed to, dense layers' columns 0."""
+    model_dir = replica("deepseek_v3")
+    data = write_jsonl(conversations(2, seed=9), tmp_path / "rows.jsonl")
+    out = tmp_path / "routes.safetensors"
+    args = ["routes", "--model", str(model_dir), "--data-jsonl", str(data), "--max-seq-len", str(MAX_LEN)]
+    assert main([*args, "--out", str(out), "--with-probs"]) == 0
+    assert "the family's own transform" in capsys.readouterr().out
+    rf = load_routes(out)
+    assert rf.metadata["probs_transform"] == "sigmoid-normalized" and rf.probs_RXK.shape == rf.routes_RXK.shape
+    model = load_causal_lm(str(model_dir)).eval()
+    facts = get_adapter(model.config.model_type)
+    layers = find_moe_layers(model, facts)
+    seen = {}
+    hooks = [m.router.register_forward_hook(lambda mod, a, o, p=p: seen.__setitem__(p, o[0].detach()))
+             for p, m in enumerate(layers)]  # fmt: skip
+    ids = torch.tensor([rf.tokens(0)])
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    routes, probs = rf.routes(0), rf.probs(0)
+    for pos, m in enumerate(layers):
+        s = torch.sigmoid(seen[pos].double().reshape(ids.shape[1], -1))
+        want = (s / s.sum(-1, keepdim=True)).gather(-1, routes[:, m.layer_index].long())
+        torch.testing.assert_close(probs[:, m.layer_index].double(), want, rtol=1e-4, atol=1e-6)
+    dense = [i for i in range(rf.routes_RXK.shape[1]) if i not in {m.layer_index for m in layers}]
+    assert all(float(probs[:, i].abs().sum()) == 0 for i in dense)
