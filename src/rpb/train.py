@@ -354,6 +354,22 @@ def check_displacement(cfg: RunConfig, prepared: PreparedRun, log_path: Path) ->
     return mean
 
 
+def note_base(base: dict | None, log_path: Path) -> None:
+    """routing-kd / output-kd's base, in the log before the first step: where it comes from and the memory a frozen
+    copy takes beside the model (``base/copy_mib``)."""
+    if not base:
+        return
+    record = {"step": 0, "base/source": base["source"]}
+    if "copy_bytes" in base:
+        record |= {"base/mode": base["mode"], "base/copy_mib": round(base["copy_bytes"] / 2**20, 3)}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    if base.get("copy_bytes"):
+        mib = base["copy_bytes"] / 2**20
+        logger.warning("rpb: the online base is a frozen copy of the model: %.1f MiB beside it", mib)
+
+
 def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerCallback] | None = None) -> Path:
     """The ``rpb train`` job; returns the directory of the saved checkpoint.
 
@@ -391,6 +407,7 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
         if resume:
             trim_log(out / "log.jsonl", resume)
         check_displacement(cfg, prepared, out / "log.jsonl")
+        note_base(prepared.info.get("base"), out / "log.jsonl")
     try:
         with deterministic_algorithms(cfg.train.deterministic):
             trainer.train(resume_from_checkpoint=resume)

@@ -26,6 +26,8 @@ def test_online_routing_kd_under_full_fine_tuning_starts_at_zero_and_records_its
     assert base["source"] == "online" and base["mode"] == "frozen-copy" and base["dtype"] == "float32"
     model = AutoModelForCausalLM.from_pretrained(setup[0])
     assert base["copy_bytes"] == sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    (first,) = [r for r in log_of(out) if "base/copy_mib" in r]  # the log says it before the first step
+    assert first["step"] == 0 and first["base/copy_mib"] == round(base["copy_bytes"] / 2**20, 3)
 
 
 class AdaptersOn(TrainerCallback):
