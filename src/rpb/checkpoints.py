@@ -47,9 +47,29 @@ def run_record(
         "base": {"model": cfg.model, "routers_sha256": base_routers_sha256},
         "prior": {"path": cfg.prior, "sha256": prior_sha256},
         "data": {"path": cfg.data_jsonl, "sha256": data_sha256, **mixed},
-        "method": dataclasses.asdict(cfg.anchor),
+        "method": _method_record(cfg.anchor),
         "lora": dataclasses.asdict(cfg.lora),
     }
+
+
+#: the anchor fields only routing-kd and output-kd read (``rpb.teacher``)
+TEACHER_FIELDS = ("base", "routes", "base_dtype")
+
+
+def _method_record(anchor) -> dict:
+    """The anchor's settings a resumed run must share: the base's fields only where the method reads a base (so a
+    checkpoint written before they existed still resumes), and a route file by its sha256 (it may move; what it
+    holds may not)."""
+    from rpb.anchors import METHODS
+    from rpb.data import file_sha256
+
+    record = dataclasses.asdict(anchor)
+    method = METHODS.get(anchor.method)
+    if method is None or method.teacher is None:
+        return {k: v for k, v in record.items() if k not in TEACHER_FIELDS}
+    if record.get("routes"):
+        record["routes"] = file_sha256(record["routes"])
+    return record
 
 
 class CompleteMarker(TrainerCallback):

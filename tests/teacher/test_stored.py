@@ -84,3 +84,26 @@ def test_the_dry_run_checks_the_route_file_and_the_copy_without_the_model(setup,
     assert "anchor.base_dtype: the frozen copy's dtype, read only with anchor.base=online" in text
     with pytest.raises(DryRunError, match=r"anchor.base_dtype: one of"):
         dry_run(None, [*common, "anchor.base_dtype=float8"])
+
+
+def test_a_resumed_run_pins_the_route_files_contents_and_older_checkpoints_still_resume(setup, tmp_path):
+    """The checkpoint record holds a route file by its sha256 (it may move, its routes may not change), and leaves
+    the base's fields out for a method that reads no base, as checkpoints written before them did."""
+    import shutil
+
+    from rpb.checkpoints import run_record
+    from rpb.data import file_sha256
+
+    _, _, routes, _ = setup
+    record = dict(routers_sha256="r" * 64, data_sha256="d" * 64, prior_sha256=None)
+    cfg = config(setup, tmp_path / "a", "routing-kd", "anchor.base=routes", f"anchor.routes={routes}")
+    moved = tmp_path / "moved.safetensors"
+    shutil.copyfile(routes, moved)
+    cfg_moved = config(setup, tmp_path / "a", "routing-kd", "anchor.base=routes", f"anchor.routes={moved}")
+    pinned = run_record(cfg, base_routers_sha256=record["routers_sha256"], data_sha256=record["data_sha256"],
+                        prior_sha256=None)["method"]  # fmt: skip
+    assert pinned["routes"] == file_sha256(routes)
+    assert run_record(cfg_moved, base_routers_sha256="r", data_sha256="d", prior_sha256=None)["method"] == pinned
+    plain = config(setup, tmp_path / "b", "kl-to-base")
+    assert not {"base", "routes", "base_dtype"} & set(run_record(plain, base_routers_sha256="r", data_sha256="d",
+                                                                 prior_sha256=None)["method"])  # fmt: skip
