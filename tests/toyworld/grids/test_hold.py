@@ -101,3 +101,18 @@ def test_the_mixing_rows_are_training_questions_no_evaluation_or_probe_question_
         rows = mixing_tasks(domain, n, post)
         assert len(rows) == n and len({t.question for t in rows}) == n
         assert not {t.question for t in rows} & held, domain
+
+
+def test_a_running_base_keeps_its_retrained_revert_cells_with_its_runs(tmp_path):
+    """The revert cells are finished work too: an unfinished base ships them beside its runs, so a grid resumed on
+    another machine does not train them again."""
+    from rpb.toyworld.study.shipping import keep_unfinished
+
+    st = HoldStudy(tmp_path / "run" / "base0", GRID, STUDY_POST, None, False)
+    files = ["grid.json", "selection/output-kd-0.1/result.json", "revert/math_post/sft/seed42/result.json"]
+    for rel in files:
+        (st.out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (st.out / rel).write_text("{}")
+    keep_unfinished(st, tmp_path / "dest")
+    kept = tmp_path / "dest" / "unfinished" / "base0"
+    assert all((kept / rel).is_file() for rel in files)

@@ -101,10 +101,12 @@ def ship_base(st: Study, dest: Path) -> list[Path]:
 
 def keep_unfinished(st: Study, dest: Path) -> list[Path]:
     """Copy a started base's finished runs and its ``grid.json`` to ``dest/unfinished/<its folder name>/``
-    (added to what an earlier call kept there); returns the paths of the runs kept there in all."""
+    (added to what an earlier call kept there), with the finished files its study kind ships besides (``ships``:
+    the hold grid's retrained revert cells); returns the paths of the runs kept there in all."""
     target = Path(dest) / UNFINISHED / st.out.name
     _refuse_another_set_up(st, target)
-    for source in [st.out / "grid.json", *(p for p in cell_paths(st) if p.is_file())]:
+    own = [p for pattern in st.ships for p in sorted(st.out.glob(pattern)) if p.is_file()]
+    for source in [st.out / "grid.json", *(p for p in cell_paths(st) if p.is_file()), *own]:
         with atomic_path(target / source.relative_to(st.out)) as tmp:
             shutil.copyfile(source, tmp)
     return [p for p in cell_paths(dataclasses.replace(st, out=target)) if p.is_file()]
