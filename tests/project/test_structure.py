@@ -336,7 +336,7 @@ TESTED_THROUGH: dict[str, tuple[str, ...]] = {
 #: and move it up: an entry fails once a test file imports the module, or it has a test file of its own.
 ONLY_REACHED_THROUGH: dict[str, tuple[str, str]] = {
     "calibrate/report.py": ("calibrate/test_run.py", "rpb.calibrate.run"),
-    "calibrate/startup.py": ("test_train.py", "rpb.train"),
+    "calibrate/startup.py": ("test_train_start.py", "rpb.train_start"),
     "collect/dist.py": ("collect/test_collector.py", "rpb.collect.collector"),
     "data/render.py": ("cli/test_prior.py", "rpb.cli.prior"),
     "integrations/megatron/figures.py": ("integrations/megatron/test_router.py", "rpb.integrations.megatron.router"),

@@ -49,6 +49,13 @@ class RoutesMismatchError(ArgumentError):
     """A route file that does not belong to this model, data file or labelling (every problem named)."""
 
 
+def mismatch(header: str, problems: list[str]) -> RoutesMismatchError:
+    """The error listing ``problems`` under ``header``: the first ``SHOWN_PROBLEMS`` in full, the rest counted."""
+    shown = problems[:SHOWN_PROBLEMS]
+    more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+    return RoutesMismatchError(f"{header}:\n" + "\n".join(f"  - {p}" for p in shown) + more)
+
+
 def row_name(index: int, data_file: str) -> str:
     return f"row {index} ({data_file} line {index + 1})"
 
@@ -193,13 +200,7 @@ def collect_from_routes(
             for ex in label_range(rows, template, max_seq_len, a, b):
                 problems += row_routes(routes, ex, model, run["data_file"], fused_shared_experts)[1]
     if problems:
-        shown = problems[:SHOWN_PROBLEMS]
-        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-        raise RoutesMismatchError(
-            f"{routes_path}: {len(problems)} problem(s) against {data_jsonl} and {model_id}:\n"
-            + "\n".join(f"  - {p}" for p in shown)
-            + more
-        )
+        raise mismatch(f"{routes_path}: {len(problems)} problem(s) against {data_jsonl} and {model_id}", problems)
     store.prepare()
     done = store.done()
     for a, b in (c for c in store.chunks if c not in done):

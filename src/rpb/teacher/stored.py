@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rpb.collect.from_routes import SHOWN_PROBLEMS, RoutesMismatchError, row_routes
+from rpb.collect.from_routes import mismatch, row_routes
 from rpb.data import LabelledData
 from rpb.replay.routefile import RouteFile, load_routes
 from rpb.teacher.routing import BaseRouting
@@ -110,12 +110,8 @@ def load_stored_routes(
             problems += row_problems
             per_row.append(routes_NLK)
     if problems:
-        shown = problems[:SHOWN_PROBLEMS]
-        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-        raise RoutesMismatchError(
-            f"anchor.routes={path}: {len(problems)} problem(s) against the training file {data.path}:\n"
-            + "\n".join(f"  - {p}" for p in shown)
-            + more
+        raise mismatch(
+            f"anchor.routes={path}: {len(problems)} problem(s) against the training file {data.path}", problems
         )
     if routes.metadata.get("routers_sha256") is None:
         logger.warning(
