@@ -45,7 +45,7 @@ docs: venv
 
 # two xdist workers (the cores here), one torch thread each (tests/conftest.py); a module's tests share a worker
 test: venv lint docs
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # every mutant of tests/mutants/catalogue.py against the tests that must catch it (docs/testing.md)
 mutants: venv

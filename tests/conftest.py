@@ -30,8 +30,8 @@ from tests.extra_tokenizers import CharSlowTokenizer, chatml_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 #: test files whose session fixture is too costly to build on both workers (a miniature grid run to the end):
-#: under ``make test`` (pytest-xdist ``--dist loadgroup``) each group runs on one worker; every other file is a
-#: group of its own, as ``--dist loadfile`` would send it
+#: under ``make test`` (pytest-xdist, ``--dist loadfile``) each group runs on one worker; every other file is a
+#: group of its own
 SHARED_FIXTURES = {
     "rl_finished": (
         "toyworld/study/test_rl.py",
@@ -48,11 +48,27 @@ def xdist_group_of(path: Path) -> str:
     return next((name for name, files in SHARED_FIXTURES.items() if rel in files), rel)
 
 
-def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.path)))
+def scope_of(nodeid: str) -> str:
+    """The unit of work a test goes to a worker in: its file's group."""
+    return xdist_group_of(ROOT / nodeid.split("::", 1)[0])
+
+
+# The groups are made by the scheduler, not by ``xdist_group`` marks: xdist 3.8 renames a marked test by assigning
+# ``item._nodeid``, which pytest 9.2's node ids no longer read, so under ``--dist loadgroup`` every test went to a
+# worker alone and each file's module fixtures (and the shared ones) were built on both workers.
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        """``--dist loadfile``, with the files of one shared fixture in one unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return FileGroups(config, log)
 
 
 @pytest.fixture(scope="session")

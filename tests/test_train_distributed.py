@@ -81,11 +81,17 @@ def test_two_processes_match_one(method, sharding, one_process, tmp_path):
     assert all(first[0][k] == pytest.approx(first[1][k], abs=1e-6) for k in figures), (first[0], first[1])
 
 
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """The FSDP worker's files: its sharded steps (``rpb``, ``kl-to-base``) and monitor figures, from one launch."""
+    out = tmp_path_factory.mktemp("fsdp")
+    run([*TORCHRUN, str(FSDP_WORKER), str(out)])
+    return out
+
+
 @pytest.mark.parametrize("method", ["rpb", "kl-to-base"])
-def test_fsdp2_sharded_install_matches_unsharded(method, tmp_path):
-    out = tmp_path / "fsdp.safetensors"
-    run([*TORCHRUN, str(FSDP_WORKER), method, str(out)])
-    sharded = load_file(out)
+def test_fsdp2_sharded_install_matches_unsharded(method, fsdp_runs):
+    sharded = load_file(fsdp_runs / f"{method}.safetensors")
     # the same step without sharding, in this process
     model = build_tiny_model("moonlight", 107).train()
     prior = torch.softmax(torch.randn(4, 2, 2, 8, generator=torch.Generator().manual_seed(1)) * 3, -1)
@@ -111,14 +117,12 @@ def test_fsdp2_sharded_install_matches_unsharded(method, tmp_path):
         assert float(sharded["loss"][1]) > 0  # the base copies were used while the weights were sharded
 
 
-def test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks(tmp_path):
+def test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks(fsdp_runs):
     """Built after sharding (as the Trainer's callback is), the monitor's base copy is the whole router, and its
     figures over two ranks' rows equal one process's over all four."""
     from rpb.monitor import RoutingMonitor
 
-    out = tmp_path / "figures.json"
-    run([*TORCHRUN, str(FSDP_WORKER), "monitor", str(out)])
-    sharded = json.loads(out.read_text())
+    sharded = json.loads((fsdp_runs / "monitor.json").read_text())
     model = build_tiny_model("moonlight", 107).train()
     monitor = RoutingMonitor(model).attach()
     moved_routers(model, sharded=False)

@@ -30,3 +30,18 @@ def test_a_file_is_its_own_group_unless_it_shares_a_fixture():
     assert xdist_group_of(TESTS / "test_prior.py") == "test_prior.py"
     assert xdist_group_of(TESTS / "toyworld" / "study" / "test_rl_report.py") == "rl_finished"
     assert xdist_group_of(TESTS / "toyworld" / "grids" / "test_revert_report.py") == "revert_finished"
+
+
+def test_make_tests_scheduler_sends_each_group_whole_to_one_worker():
+    from types import SimpleNamespace
+
+    from tests.conftest import pytest_xdist_make_scheduler, scope_of
+
+    assert scope_of("tests/toyworld/study/test_rl_report.py::test_a[x]") == "rl_finished"
+    assert scope_of("tests/test_prior.py::test_a") == scope_of("tests/test_prior.py::test_b") == "test_prior.py"
+    options = {"dist": "loadfile", "tx": ["2*popen"]}
+    config = SimpleNamespace(getvalue=options.get, option=SimpleNamespace(loadscopereorder=True))
+    scheduler = pytest_xdist_make_scheduler(config, None)
+    assert scheduler.numnodes == 2
+    assert scheduler._split_scope("tests/toyworld/grids/test_revert_study.py::test_a") == "revert_finished"
+    assert pytest_xdist_make_scheduler(SimpleNamespace(getvalue={"dist": "load"}.get), None) is None

@@ -1,6 +1,8 @@
 """The toy world's commands reach ``rpb`` through the ``rpb.commands`` entry point, with their options."""
 
 import argparse
+import subprocess
+import sys
 from importlib.metadata import entry_points
 
 import pytest
@@ -33,7 +35,22 @@ def test_the_grid_option_names_every_grid_in_its_help():
     assert set(sub.choices) == {"demo", "experiment"}
     grid = next(a for a in sub.choices["experiment"]._actions if a.dest == "grid")
     assert grid.default in GRIDS and grid.choices is None  # module:ATTR too
-    assert all(f"{name}: {g.about}" in grid.help for name, g in GRIDS.items())
+    shown = "".join(sub.choices["experiment"].format_help().split())  # argparse wraps lines, hyphens too
+    assert all("".join(f"{name}: {g.about}".split()) in shown for name, g in GRIDS.items())
+
+
+def test_the_command_line_is_built_without_the_toy_worlds_grids():
+    """Listing the grids imports the whole toy world (seconds): it waits for ``rpb experiment --help``, so that
+    ``rpb collect`` and the other core commands start without it."""
+    check = (
+        "import sys\n"
+        "from rpb.cli import build_parser\n"
+        "assert build_parser().plugin_failures == []\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('rpb.toyworld.study', 'rpb.toyworld.world')))\n"
+        "assert loaded == [], loaded\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 #: a grid of one's own, in a module of a package outside rpb: one arm, one seed, the miniature study's recipe

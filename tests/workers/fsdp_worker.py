@@ -1,9 +1,8 @@
-"""Run by tests/test_train_distributed.py under torchrun: install an anchor, shard with FSDP2, one step.
-
-Rank 0 writes the loss, the anchor term and the full router gradients to OUT; then every
-rank leaves with os._exit, because gloo's teardown can abort a finished process. With the method
-``monitor``: the routing monitor built on the sharded model, the routers moved, one forward of each
-rank's rows; rank 0 writes the figures (JSON).
+"""Run by tests/test_train_distributed.py under torchrun, once for its three checks (one launch: each costs the
+ranks' start-up): for ``rpb`` and ``kl-to-base``, install the anchor, shard with FSDP2, one step, and rank 0 writes
+the loss, the anchor term and the full router gradients to OUT/<method>.safetensors; then the routing monitor built
+on a sharded model, the routers moved, one forward of each rank's rows, and rank 0 writes its figures to
+OUT/monitor.json. Every rank leaves with os._exit, because gloo's teardown can abort a finished process.
 """
 
 import json
@@ -48,10 +47,9 @@ def moved_routers(model, sharded: bool):
                 p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if sharded else noise)
 
 
-def monitor_main(out_path: str):
+def monitor_figures(out_path: str):
     from rpb.monitor import RoutingMonitor
 
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_tiny_model("moonlight", 107).train()
     for layer in model.model.layers:
@@ -68,15 +66,9 @@ def monitor_main(out_path: str):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(figures, f)
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
 
 
-def main(method: str, out_path: str):
-    if method == "monitor":
-        monitor_main(out_path)
-    dist.init_process_group("gloo")
+def sharded_step(method: str, out_path: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_tiny_model("moonlight", 107).train()
     prior = torch.softmax(torch.randn(4, 2, 2, 8, generator=torch.Generator().manual_seed(1)) * 3, -1)
@@ -96,10 +88,17 @@ def main(method: str, out_path: str):
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
     if rank == 0:
         save_file({"loss": loss / world, **{n: g.contiguous() for n, g in grads.items()}}, out_path)
+
+
+def main(out_dir: str):
+    dist.init_process_group("gloo")
+    for method in ("rpb", "kl-to-base"):
+        sharded_step(method, os.path.join(out_dir, f"{method}.safetensors"))
+    monitor_figures(os.path.join(out_dir, "monitor.json"))
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])

@@ -14,10 +14,16 @@ library implementations (networkx, scikit-learn); this file only adapts tensors 
 
 from __future__ import annotations
 
-import networkx as nx
+from typing import TYPE_CHECKING
+
 import torch
-from networkx.algorithms.community import louvain_communities, modularity
-from sklearn.metrics import normalized_mutual_info_score
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+# networkx and scikit-learn (with scipy and pandas behind it) are imported where a graph is built or
+# scored, not here: every `rpb train` reaches this module through the shuffled controls, and their
+# import cost a second of start-up in each process that never builds a graph.
 
 # --------------------------------------------------------------------------- co-activation
 
@@ -106,6 +112,8 @@ def expert_graph(weights_EE: torch.Tensor) -> nx.Graph:
     if (w < 0).any():
         raise ValueError("co-activation weights must be non-negative")
     num_experts = w.shape[0]
+    import networkx as nx
+
     graph = nx.Graph()
     graph.add_nodes_from(range(num_experts))
     rows, cols = torch.triu_indices(num_experts, num_experts, offset=1)
@@ -123,6 +131,8 @@ def directed_graph(weights_EE: torch.Tensor) -> nx.DiGraph:
     w = weights_EE.detach().to("cpu", torch.float64)
     if (w < 0).any():
         raise ValueError("transition weights must be non-negative")
+    import networkx as nx
+
     graph = nx.DiGraph()
     graph.add_nodes_from(range(w.shape[0]))
     rows, cols = torch.nonzero(w > 0, as_tuple=True)
@@ -143,6 +153,8 @@ def louvain(
     partition, so values stay comparable across ``resolution`` settings; it is NaN for a graph without
     edges (e.g. K = 1), where modularity is undefined.
     """
+    from networkx.algorithms.community import louvain_communities, modularity
+
     graph = directed_graph(weights_EE) if directed else expert_graph(weights_EE)
     # backend="networkx" pins the reference implementation even where a GPU backend is installed.
     communities = louvain_communities(graph, weight="weight", resolution=resolution, seed=seed, backend="networkx")
@@ -164,4 +176,6 @@ def nmi(labels_a_E: torch.Tensor, labels_b_E: torch.Tensor) -> float:
     """
     if labels_a_E.shape != labels_b_E.shape or labels_a_E.dim() != 1:
         raise ValueError(f"need two [E] labelings, got {tuple(labels_a_E.shape)} and {tuple(labels_b_E.shape)}")
+    from sklearn.metrics import normalized_mutual_info_score
+
     return float(normalized_mutual_info_score(labels_a_E.cpu().numpy(), labels_b_E.cpu().numpy()))

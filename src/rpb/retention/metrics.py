@@ -11,7 +11,6 @@ import math
 
 import numpy as np
 import torch
-from scipy.spatial.distance import jensenshannon
 
 
 def shares(counts_E: torch.Tensor) -> np.ndarray:
@@ -30,6 +29,8 @@ def tvd(p_E, q_E) -> float:
 
 def jsd_bits(p_E, q_E) -> float:
     """Jensen-Shannon divergence in bits (scipy returns its square root, the JS distance)."""
+    from scipy.spatial.distance import jensenshannon  # here: scipy costs every process that imports rpb a second
+
     return float(jensenshannon(np.asarray(p_E), np.asarray(q_E), base=2) ** 2)
 
 

@@ -3,6 +3,7 @@ through the ``rpb.commands`` entry point (pyproject.toml): the core never import
 
 from __future__ import annotations
 
+import argparse
 import time
 
 from rpb.cli.options import LANES_HELP, positive_int
@@ -49,9 +50,22 @@ def _experiment(args) -> int:
     return 0
 
 
+class _GridsListed(argparse.HelpFormatter):
+    """``rpb experiment --help`` lists the shipped grids; importing them loads the whole toy world (seconds), so
+    they are listed when the help is printed, not whenever the command line is built: ``rpb collect`` and every
+    other core command start without them."""
+
+    def _get_help_string(self, action):
+        if action.dest != "grid":
+            return action.help
+        from rpb.toyworld.grids import grids
+
+        return f"{action.help}; the shipped grids: " + "; ".join(f"{g.name}: {g.about}" for g in grids().values())
+
+
 def add_commands(add) -> None:
     """``add(name, help=...)`` makes a subparser of ``rpb`` that takes the options every command shares."""
-    from rpb.toyworld.grids import DEFAULT, grids
+    from rpb.toyworld.grids import DEFAULT
 
     d = add("demo", help="the paper's study in miniature: toy base -> prior -> sft, lbl, rpb -> table")
     d.add_argument("--out", default="rpb-demo")
@@ -65,14 +79,17 @@ def add_commands(add) -> None:
     d.add_argument("--lanes", type=positive_int, help=LANES_HELP)
     d.set_defaults(func=_demo)
 
-    x = add("experiment", help="the toy-world study: every anchor x seeds x post-training sets, tables")
+    x = add(
+        "experiment",
+        help="the toy-world study: every anchor x seeds x post-training sets, tables",
+        formatter_class=_GridsListed,
+    )
     x.add_argument(
         "--grid",
         default=DEFAULT,
         metavar="GRID",
         help="a grid of rpb.toyworld.grids by name, or module:ATTR for a grid of one's own (any importable module's "
-        "grid ATTR; docs/toyworld.md); the shipped grids: "
-        + "; ".join(f"{g.name}: {g.about}" for g in grids().values()),
+        "grid ATTR; docs/toyworld.md)",
     )
     x.add_argument("--out", help="output directory (default: rpb-experiment-<grid>); rerun to resume")
     x.add_argument("--cache-dir", help="where the base model is cached (default: $RPB_CACHE or ~/.cache/rpb)")
