@@ -9,6 +9,8 @@ scratch copy's (``guard.py``). Outcomes:
 * ``survived``: every listed test passed;
 * ``error``: anything else (the mutation does not apply, import or collection broke, a test raised another
   exception, the timeout) -- a harness error, to be fixed in the catalogue.
+
+The runs are forked from one warm process that has imported the heavy libraries but no ``rpb`` (``forks.py``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,13 @@ import ast
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.mutants.forks import WarmPytest
 from tests.mutants.guard import GUARD_EXIT
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,8 +103,16 @@ def _kill_kind(junit: Path) -> str | None:
     return "killed" if any(k.rsplit(".", 1)[-1] in _ASSERTIONS for k in kinds) else "error"
 
 
-def run_mutant(scratch: Path, mutant: Mutant, timeout: float) -> tuple[str, float, str]:
-    """(outcome, seconds, detail) of one mutant; the scratch file is restored afterwards."""
+def warm_pytest(scratch: Path) -> WarmPytest:
+    """The fork server every mutant of a scratch copy runs in (``forks.py``): the scratch copy first on the path."""
+    env = {**os.environ, "PYTHONPATH": f"{scratch / 'src'}{os.pathsep}{scratch}", "RPB_MUTANT_SCRATCH": str(scratch),
+           "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+    return WarmPytest(scratch, env)
+
+
+def run_mutant(scratch: Path, mutant: Mutant, timeout: float, runner: WarmPytest) -> tuple[str, float, str]:
+    """(outcome, seconds, detail) of one mutant, its tests run by ``runner`` (``warm_pytest(scratch)``); the
+    scratch file is restored afterwards."""
     target = scratch / "src" / "rpb" / mutant.path
     pristine = target.read_text()
     started = time.monotonic()
@@ -112,24 +121,21 @@ def run_mutant(scratch: Path, mutant: Mutant, timeout: float) -> tuple[str, floa
     except (MutationError, SyntaxError, OSError) as e:
         return "error", 0.0, str(e)
     junit = scratch / f".junit-{mutant.name}.xml"
-    env = {**os.environ, "PYTHONPATH": f"{scratch / 'src'}{os.pathsep}{scratch}", "RPB_MUTANT_SCRATCH": str(scratch),
-           "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "tests.mutants.guard",
-           f"--junitxml={junit}", *mutant.tests]  # fmt: skip
+    args = ["-x", "-q", "-p", "no:cacheprovider", "-p", "tests.mutants.guard", f"--junitxml={junit}", *mutant.tests]
     try:
-        done = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "error", time.monotonic() - started, f"timeout after {timeout:.0f} s"
+        code, output = runner.run(args, scratch / f".log-{mutant.name}.txt", timeout)
     finally:
         target.write_text(pristine)
     seconds = time.monotonic() - started
-    tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
-    if done.returncode == GUARD_EXIT:
+    tail = output.strip().splitlines()[-1:] or [""]
+    if code is None:
+        return "error", seconds, f"timeout after {timeout:.0f} s"
+    if code == GUARD_EXIT:
         return "error", seconds, tail[0]
-    if done.returncode == 0:
+    if code == 0:
         return "survived", seconds, tail[0]
-    if done.returncode != 1:  # interrupted, internal error, usage error, nothing collected
-        return "error", seconds, f"pytest exit status {done.returncode}: {tail[0]}"
+    if code != 1:  # interrupted, internal error, usage error, nothing collected
+        return "error", seconds, f"pytest exit status {code}: {tail[0]}"
     return _kill_kind(junit) or "error", seconds, tail[0]
 
 
@@ -157,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown mutant(s): {', '.join(sorted(unknown))}")
     scratch = scratch_copy()
+    runner = warm_pytest(scratch)
     rows = []
     try:
         for m in chosen:
-            outcome, seconds, detail = run_mutant(scratch, m, args.timeout)
+            outcome, seconds, detail = run_mutant(scratch, m, args.timeout, runner)
             rows.append((m, outcome, seconds, detail))
             print(f"{m.name}: {outcome} ({seconds:.0f} s){'' if outcome == 'killed' else ' -- ' + detail}", flush=True)
     finally:
+        runner.close()
         shutil.rmtree(scratch.parent, ignore_errors=True)
     print(table(rows))
     counts = {k: sum(r[1] == k for r in rows) for k in ("killed", "survived", "error")}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.mutants.catalogue import MUTANTS
-from tests.mutants.harness import ROOT, Mutant, MutationError, mutate, run_mutant, scratch_copy
+from tests.mutants.harness import ROOT, Mutant, MutationError, mutate, run_mutant, scratch_copy, warm_pytest
 
 
 def test_the_catalogue_is_large_unique_and_every_mutant_applies():
@@ -36,11 +36,21 @@ def test_the_ci_subset_of_mutants_is_killed():
     import shutil
 
     scratch = scratch_copy()
+    runner = warm_pytest(scratch)
+    # an equivalent mutant (the same bias, written another way) must survive in the same forked runs: a child
+    # that did not import the mutated copy, or that read every run as failed, could not tell it from the others
+    same = Mutant("equivalent", "the centring's mean written as a sum over E divided by E", "prior.py",
+                  "log_prior_bias", r"log_q\.mean\(dim=-1, keepdim=True\)",
+                  "log_q.sum(-1, keepdim=True) / log_q.shape[-1]",
+                  ("tests/test_prior.py::test_clip_and_bias_golden",))  # fmt: skip
     try:
-        outcomes = {m.name: run_mutant(scratch, m, timeout=300)[0] for m in MUTANTS if m.ci}
+        outcomes = {m.name: run_mutant(scratch, m, 300, runner)[0] for m in MUTANTS if m.ci}
+        equivalent = run_mutant(scratch, same, 300, runner)
     finally:
+        runner.close()
         shutil.rmtree(scratch.parent, ignore_errors=True)
     assert outcomes and set(outcomes.values()) == {"killed"}, outcomes
+    assert equivalent[0] == "survived", equivalent
 
 
 def test_docs_testing_lists_every_mutant():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.conftest import SHARED_FIXTURES, xdist_group_of
+from tests.conftest import SHARED_FIXTURES, SLOW_FIRST, xdist_group_of
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -45,3 +45,8 @@ def test_make_tests_scheduler_sends_each_group_whole_to_one_worker():
     assert scheduler.numnodes == 2
     assert scheduler._split_scope("tests/toyworld/grids/test_revert_study.py::test_a") == "revert_finished"
     assert pytest_xdist_make_scheduler(SimpleNamespace(getvalue={"dist": "load"}.get), None) is None
+
+
+def test_each_unit_started_first_is_still_a_unit():
+    units = {xdist_group_of(path) for path in TESTS.rglob("test_*.py")}
+    assert len(set(SLOW_FIRST)) == len(SLOW_FIRST) and set(SLOW_FIRST) <= units, set(SLOW_FIRST) - units

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,36 +14,8 @@ import torch
 from rpb.cli import build_parser
 from rpb.toyworld.study import lanes as lanes_module
 from rpb.toyworld.study.lanes import Job, JobsFailedError, default_lanes, lane_threads, run_jobs
+from tests.toyworld.study.lane_jobs import die, fail, meet, stamp
 from tests.toyworld_mini import mini_study
-
-
-def stamp(folder: str, name: str, seconds: float) -> str:
-    """Sleep, then leave ``name``'s start and end times, the process and its torch thread count."""
-    started = time.time()
-    time.sleep(seconds)
-    record = {"start": started, "end": time.time(), "pid": os.getpid(), "threads": torch.get_num_threads()}
-    Path(folder, name).write_text(json.dumps(record))
-    return name
-
-
-def meet(folder: str, name: str, partner: str, patience: float = 60.0) -> str:
-    """Say ``name`` started, wait (up to ``patience`` seconds) for ``partner`` to say so too, then leave the record
-    ``stamp`` leaves, with whether the two met: they did only if they ran at once, whatever the machine's load."""
-    started = time.time()
-    Path(folder, f"{name}.started").write_text("")
-    while not (met := Path(folder, f"{partner}.started").is_file()) and time.time() - started < patience:
-        time.sleep(0.01)
-    record = {"start": started, "end": time.time(), "pid": os.getpid(), "threads": torch.get_num_threads(), "met": met}
-    Path(folder, name).write_text(json.dumps(record))
-    return name
-
-
-def fail(message: str) -> None:
-    raise ValueError(message)
-
-
-def die() -> None:
-    os._exit(3)
 
 
 def test_jobs_run_side_by_side_after_what_they_wait_for(tmp_path, monkeypatch):
