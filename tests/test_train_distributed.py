@@ -20,7 +20,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 FSDP_WORKER = Path(__file__).parent / "workers" / "fsdp_worker.py"
 
 
-def run(cmd, **kw):
+def run(cmd, check=True, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, **kw)
@@ -29,7 +29,8 @@ def run(cmd, **kw):
                  for out in (err.stdout, err.stderr)]  # fmt: skip
         said = f"stdout:\n{tails[0]}\nstderr:\n{tails[1]}"
         pytest.fail(f"{' '.join(map(str, cmd))[:400]}: no exit after {err.timeout} s\n{said}")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 
@@ -85,13 +86,20 @@ def test_two_processes_match_one(method, sharding, one_process, tmp_path):
 def fsdp_runs(tmp_path_factory):
     """The FSDP worker's files: its sharded steps (``rpb``, ``kl-to-base``) and monitor figures, from one launch."""
     out = tmp_path_factory.mktemp("fsdp")
-    run([*TORCHRUN, str(FSDP_WORKER), str(out)])
-    return out
+    return out, run([*TORCHRUN, str(FSDP_WORKER), str(out)], check=False)
+
+
+def worker_file(fsdp_runs, name: str) -> Path:
+    """One of the worker's files; a worker that failed fails each test that reads it (in the test, not in the
+    fixture: a failing fixture reads as an error, not as a failed check)."""
+    out, done = fsdp_runs
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out / name
 
 
 @pytest.mark.parametrize("method", ["rpb", "kl-to-base"])
 def test_fsdp2_sharded_install_matches_unsharded(method, fsdp_runs):
-    sharded = load_file(fsdp_runs / f"{method}.safetensors")
+    sharded = load_file(worker_file(fsdp_runs, f"{method}.safetensors"))
     # the same step without sharding, in this process
     model = build_tiny_model("moonlight", 107).train()
     prior = torch.softmax(torch.randn(4, 2, 2, 8, generator=torch.Generator().manual_seed(1)) * 3, -1)
@@ -122,7 +130,7 @@ def test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks(fsdp
     figures over two ranks' rows equal one process's over all four."""
     from rpb.monitor import RoutingMonitor
 
-    sharded = json.loads((fsdp_runs / "monitor.json").read_text())
+    sharded = json.loads(worker_file(fsdp_runs, "monitor.json").read_text())
     model = build_tiny_model("moonlight", 107).train()
     monitor = RoutingMonitor(model).attach()
     moved_routers(model, sharded=False)
