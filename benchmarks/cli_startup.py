@@ -31,10 +31,14 @@ def seconds(cmd: list[str]) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     for cmd in COMMANDS.values():  # warm the file cache once
         seconds(cmd)
     times: dict[str, list[float]] = {name: [] for name in COMMANDS}
