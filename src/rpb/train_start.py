@@ -13,6 +13,13 @@ from rpb.config import RunConfig
 logger = logging.getLogger("rpb.train")
 
 
+def _append(log_path: Path, record: dict) -> None:
+    """One step-0 line at the end of ``log.jsonl`` (its folder made if need be)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def check_displacement(cfg: RunConfig, prepared, log_path: Path) -> float | None:
     """Before the first step (rank 0): how far this run's bias moves the base's own expert choice
     (``rpb.calibrate.startup``); logged to ``log.jsonl`` as ``calibrate/displacement`` (mean over MoE
@@ -36,9 +43,7 @@ def check_displacement(cfg: RunConfig, prepared, log_path: Path) -> float | None
         f"calibrate/displacement/layer{layer.moe.layer_index}": round(v, 5)
         for layer, v in zip(prepared.handle.layers, per_layer, strict=True)
     }
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    _append(log_path, record)
     prepared.info["calibrate_displacement"] = {"mean": mean, "per_layer": per_layer}
     if mean > cfg.train.displacement_warn:
         logger.warning(
@@ -61,9 +66,7 @@ def note_base(base: dict | None, log_path: Path) -> None:
     record = {"step": 0, "base/source": base["source"]}
     if "copy_bytes" in base:
         record |= {"base/mode": base["mode"], "base/copy_mib": round(base["copy_bytes"] / 2**20, 3)}
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    _append(log_path, record)
     if base.get("copy_bytes"):
         mib = base["copy_bytes"] / 2**20
         logger.warning("rpb: the online base is a frozen copy of the model: %.1f MiB beside it", mib)

@@ -27,7 +27,7 @@ PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "transformers", 
 
 
 def _own(name: str) -> bool:
-    return name.split(".")[0] in ("rpb", "tests") and name not in ("tests", "tests.mutants", __name__)
+    return name.split(".")[0] in ("rpb", "tests") and name not in ("tests", "tests.mutants")  # -m imports these
 
 
 def serve() -> None:

@@ -95,13 +95,11 @@ def test_a_resumed_run_pins_the_route_files_contents_and_older_checkpoints_still
     from rpb.data import file_sha256
 
     _, _, routes, _ = setup
-    record = dict(routers_sha256="r" * 64, data_sha256="d" * 64, prior_sha256=None)
     cfg = config(setup, tmp_path / "a", "routing-kd", "anchor.base=routes", f"anchor.routes={routes}")
     moved = tmp_path / "moved.safetensors"
     shutil.copyfile(routes, moved)
     cfg_moved = config(setup, tmp_path / "a", "routing-kd", "anchor.base=routes", f"anchor.routes={moved}")
-    pinned = run_record(cfg, base_routers_sha256=record["routers_sha256"], data_sha256=record["data_sha256"],
-                        prior_sha256=None)["method"]  # fmt: skip
+    pinned = run_record(cfg, base_routers_sha256="r", data_sha256="d", prior_sha256=None)["method"]
     assert pinned["routes"] == file_sha256(routes)
     assert run_record(cfg_moved, base_routers_sha256="r", data_sha256="d", prior_sha256=None)["method"] == pinned
     plain = config(setup, tmp_path / "b", "kl-to-base")
