@@ -113,7 +113,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "generation cycle: the batch has no first routing to replay from its start",
         path="integrations/trl/grpo.py",
         function="GRPOTrainer._generate_and_score_completions",
-        pattern=r"if self\.replay_mode == \"R2\" and state\.first_routes is None",
+        pattern=r"if self\.replay_mode in \(\"R2\", \"PR2\"\) and state\.first_routes is None",
         replacement="if False",
         tests=(f"{GRPO}::test_r2_forces_the_old_log_prob_forward_where_trl_would_skip_it",),
     ),

@@ -175,7 +175,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "pays a forward for nothing",
         path="integrations/trl/grpo.py",
         function="GRPOTrainer.__init__",
-        pattern=r"if self\.replay_mode == \"R2\" and trained_unmoved:",
+        pattern=r"if self\.replay_mode in \(\"R2\", \"PR2\"\) and trained_unmoved:",
         replacement="if False:",
         tests=(f"{GRPO}::test_r2_that_equals_off_says_so",),
     ),

@@ -17,6 +17,13 @@ recomputed during backward (activation checkpointing) replays the rows of the la
 with gradients per block, as a training step does. Whatever the block replays, it records the live router's own
 top-k at every position (``native_BSLK``): what the router would have chosen, for the mismatch figures and for
 ``R2``, which replays the first forward's own choice in later updates.
+
+``forward(predictor=...)`` (no routes) is PR2's recording forward: every router's experts are the family's
+selection (``rpb.routing.select``: score function, correction bias, groups) on ``logits + predictor(input)``, the
+gates the family's own from the unbiased logits; ``chosen_BSLK`` is what was routed. ``keep_last=C`` keeps each
+router's logits (float32, still in the forward's graph) and, with a predictor, its input at the last C positions
+of every forward
+(``kept_BCLE`` / ``kept_inputs_BCLH``): what PR2's predictor learns from.
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ import torch
 from torch import nn
 
 from rpb.adapters import find_moe_layers, get_adapter, router_spec
+from rpb.adapters.hf import expert_bias_of
 from rpb.errors import ArgumentError
 from rpb.observe.hooks import Hooks, RouterCall, on_model_inputs, on_router_calls
 from rpb.replay.routes import route_dtype
-from rpb.routing import combine_weights
+from rpb.routing import combine_weights, select
 
 
 class RouteReplay:
@@ -46,6 +54,10 @@ class RouteReplay:
         self._routes_BSLK: torch.Tensor | None = None
         self._offset, self._rows, self._shape, self._forwards = 0, slice(0, 0), (0, 0), 0
         self._native: dict[tuple[int, int], torch.Tensor] = {}
+        self._chosen: dict[tuple[int, int], torch.Tensor] = {}
+        self._kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._predictor: nn.Module | None = None
+        self._keep_last = 0
         self._hooks = Hooks.join(
             on_model_inputs(model, self._on_inputs), on_router_calls(self.layers, self._hook, replaces=True)
         )
@@ -54,16 +66,24 @@ class RouteReplay:
         self._hooks.remove()
 
     @contextlib.contextmanager
-    def forward(self, routes_BSLK: torch.Tensor | None = None):
-        """Replay ``routes_BSLK`` (None: route freely, recording only) in the forwards inside the block."""
+    def forward(
+        self, routes_BSLK: torch.Tensor | None = None, *, predictor: nn.Module | None = None, keep_last: int = 0
+    ):
+        """Replay ``routes_BSLK`` (None: route freely, recording only) in the forwards inside the block; or, with
+        ``predictor`` (a module whose ``delta(pos, input_TH)`` is a ``[T, E]`` correction), route each token to the
+        family's selection on the corrected logits. ``keep_last``: keep the last that many positions' router
+        logits (and, with a predictor, inputs)."""
         if routes_BSLK is not None:
             self._check(routes_BSLK)
+            if predictor is not None:
+                raise ArgumentError("routes to replay and a predictor to choose with: one forward does one of them")
         self._active, self._routes_BSLK = True, routes_BSLK
-        self._offset, self._forwards, self._native = 0, 0, {}
+        self._predictor, self._keep_last = predictor, keep_last
+        self._offset, self._forwards, self._native, self._chosen, self._kept = 0, 0, {}, {}, {}
         try:
             yield self
         finally:
-            self._active, self._routes_BSLK = False, None
+            self._active, self._routes_BSLK, self._predictor = False, None, None
 
     def _check(self, routes_BSLK: torch.Tensor) -> None:
         L, K, E = len(self.layers), self.specs[0].top_k, self.specs[0].num_experts
@@ -98,8 +118,18 @@ class RouteReplay:
                 "replay needs the router's top-k over every token of the forward"
             )
         key = (self._forwards, call.pos)
-        if key not in self._native:  # a recomputation (checkpointing) routes alike and records nothing twice
+        first_time = key not in self._native  # a recomputation (checkpointing) routes alike, records nothing twice
+        if first_time:
             self._native[key] = ids_TK.detach().reshape(B, S, -1).to(route_dtype(logits_TE.shape[-1]))
+        if first_time and self._keep_last:
+            C = self._keep_last
+            inputs = None
+            if self._predictor is not None:
+                inputs = call.hidden.detach().reshape(B, S, -1)[:, -C:].clone()
+            # kept with their graph: the stop-gradient is the predictor's loss's to take (rpb.replay.predictive)
+            self._kept[key] = (logits_TE.float().reshape(B, S, -1)[:, -C:], inputs)
+        if self._predictor is not None:
+            return self._predicted(call, logits_TE, gates_TK, key, first_time)
         if self._routes_BSLK is None:
             return None
         routes_BSK = self._routes_BSLK[self._rows, :, call.pos]
@@ -114,12 +144,52 @@ class RouteReplay:
         new_gates_TK = combine_weights(logits_TE, new_ids_TK, self.specs[call.pos]).to(gates_TK.dtype)
         return logits_TE, torch.where(has_T1, new_gates_TK, gates_TK), new_ids_TK
 
+    def _predicted(self, call: RouterCall, logits_TE, gates_TK, key, first_time: bool):
+        """PR2's selection: the family's pipeline on the logits plus the predictor's correction, gates from the
+        unbiased logits (the correction only chooses)."""
+        spec = self.specs[call.pos]
+        with torch.no_grad():
+            hidden_TH = call.hidden.reshape(logits_TE.shape[0], -1)
+            delta_TE = self._predictor.delta(call.pos, hidden_TH)
+            ids_TK = select(logits_TE.detach(), spec, delta_TE, expert_bias_of(self.layers[call.pos], self.facts))
+        if first_time:
+            B, S = self._shape
+            self._chosen[key] = ids_TK.reshape(B, S, -1).to(route_dtype(logits_TE.shape[-1]))
+        new_gates_TK = combine_weights(logits_TE, ids_TK, spec).to(gates_TK.dtype)
+        return logits_TE, new_gates_TK, ids_TK
+
     # ---- what the block saw ------------------------------------------------------------
+    def _seen(self, seen: dict, what: str) -> dict:
+        if not seen:
+            raise ArgumentError(f"no forward inside the replay block recorded {what}")
+        return seen
+
+    @staticmethod
+    def _by_rows(seen: dict, layers: int) -> torch.Tensor:
+        """``[rows, ..., L, ...]``: each forward's per-layer tensors stacked at dim 2, forwards' rows in order."""
+        forwards = sorted({f for f, _ in seen})
+        return torch.cat([torch.stack([seen[(f, p)] for p in range(layers)], dim=2) for f in forwards], dim=0)
+
     @property
     def native_BSLK(self) -> torch.Tensor:
         """The live routers' own top-k at every position of the block's forwards (rows in order)."""
-        if not self._native:
-            raise ArgumentError("no forward ran inside the replay block")
-        forwards = sorted({f for f, _ in self._native})
-        per_forward = [torch.stack([self._native[(f, p)] for p in range(len(self.layers))], dim=2) for f in forwards]
-        return torch.cat(per_forward, dim=0)
+        return self._by_rows(self._seen(self._native, "the routers' own choice"), len(self.layers))
+
+    @property
+    def chosen_BSLK(self) -> torch.Tensor:
+        """The experts a predictor's forward routed to (PR2's routes, to replay in the later updates)."""
+        return self._by_rows(self._seen(self._chosen, "a predictor's choice"), len(self.layers))
+
+    @property
+    def kept_BCLE(self) -> torch.Tensor:
+        """The routers' logits at the last ``keep_last`` positions (float32)."""
+        kept = self._seen(self._kept, "kept logits")
+        return self._by_rows({k: v[0] for k, v in kept.items()}, len(self.layers))
+
+    @property
+    def kept_inputs_BCLH(self) -> torch.Tensor:
+        """The routers' inputs at the last ``keep_last`` positions (a predictor's forward only)."""
+        kept = self._seen(self._kept, "kept inputs")
+        if any(v[1] is None for v in kept.values()):
+            raise ArgumentError("router inputs are kept in a predictor's forward only")
+        return self._by_rows({k: v[1] for k, v in kept.items()}, len(self.layers))

@@ -47,7 +47,7 @@ def trainer_for(tok, tmp_path, method="sft", seed=0, arch="qwen3_moe", **overrid
     return trainer, anchor
 
 
-@pytest.mark.parametrize("replay", ["off", "R2", "R3"])
+@pytest.mark.parametrize("replay", ["off", "R2", "R3", "PR2"])
 @pytest.mark.parametrize("method", ANCHORS)
 def test_every_anchor_with_every_replay_mode_trains_three_steps(method, replay, tok, tmp_path):
     trainer, anchor = trainer_for(tok, tmp_path, method, replay=replay, num_iterations=2)
@@ -59,7 +59,7 @@ def test_every_anchor_with_every_replay_mode_trains_three_steps(method, replay, 
     assert len(logs) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     assert not any("aux_loss" in h for h in logs)  # TRL's own term never ran
     assert any("routing/rollout_flip_rate" in h for h in logs)
-    assert any("routing/stale_flip_rate" in h for h in logs)  # num_iterations=2: a later update of each batch
+    assert any("routing/stale_mismatch/update_1" in h for h in logs)  # num_iterations=2: a later update
     if anchor.method.loss is not None:  # the anchor's term in GRPO's logs, as in SFT's
         assert all(f"anchor/{method}" in h for h in logs)
     if method == "router-freeze":

@@ -23,3 +23,12 @@ def test_an_engine_without_routes_under_r3_is_refused_unless_a_rollout_func_hand
     args = SimpleNamespace(replay="R3", use_vllm=True)
     assert any("use_vllm with replay='R3'" in p for p in trainer_problems(args, None, None))
     assert trainer_problems(args, None, None, has_rollout_func=True) == []
+
+
+def test_pr2_on_several_processes_or_without_a_positive_lr_scale_is_refused():
+    args = SimpleNamespace(router_aux_loss_coef=0.0, loss_type="grpo", replay="PR2", routes_format="vllm",
+                           rollout_dtype=None, bf16=False, fp16=False, pr2_lr_scale=0.0, world_size=2)  # fmt: skip
+    said = "\n".join(config_problems(args))
+    assert "pr2_lr_scale=0.0" in said and "replay='PR2' on 2 processes" in said
+    args.pr2_lr_scale, args.world_size = 1000.0, 1
+    assert config_problems(args) == []

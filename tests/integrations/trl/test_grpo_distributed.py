@@ -31,7 +31,7 @@ def test_two_processes_replay_their_own_rows_and_log_what_one_process_logs(tmp_p
     for step_one, step_two in zip(*logs, strict=True):
         figures = {k for k in step_one if k.startswith(("routing/", "anchor/"))}
         assert {"routing/rollout_flip_rate", "routing/mean/topk_overlap", "routing/mean/load_cv"} <= figures or (
-            "routing/stale_flip_rate" in figures
+            "routing/stale_mismatch" in figures
         )
         assert figures == {k for k in step_two if k.startswith(("routing/", "anchor/"))}
         for key in figures:

@@ -63,6 +63,8 @@ class GenerationState:
     scoring: bool = True
     #: the first training-side forward's own routing [B, S, L, K], once it ran
     first_routes: torch.Tensor | None = None
+    #: PR2: what its first forward left for TRL's batch dict (``rpb.integrations.trl.predictive``'s keys)
+    pr2: dict | None = None
     #: the rollouts came from a rollout_func (an engine), with or without its routes
     from_engine: bool = False
 

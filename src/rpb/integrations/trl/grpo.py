@@ -18,13 +18,16 @@ What this changes about TRL, and why:
   forward and the old-log-prob forward, never in generation or the reference model. With ``R3``: refused.
 * **Routing replay** (``GRPOConfig.replay``; ``rpb.replay``): ``R3`` replays each rollout's routes, recorded as
   ``generate`` made them; ``R2`` replays the first training-side forward's own routing (the old-log-prob forward,
-  forced on) in the later updates of its batch; ``off`` replays nothing. The routes travel in the batch dict
-  (``rpb_rollout_routes`` / ``rpb_first_routes``), through TRL's shuffling and splitting. The reference model
-  (``beta`` > 0) routes freely: it stands for the base as deployed.
+  forced on) in the later updates of its batch; ``PR2`` replays routes that forward chose with a learned
+  predictor of the router's drift (``predictive``); ``off`` replays nothing. The routes travel in the batch dict
+  (``rpb_rollout_routes`` / ``rpb_first_routes`` / ``rpb_pr2_routes``), through TRL's shuffling and splitting.
+  The reference model (``beta`` > 0) routes freely: it stands for the base as deployed.
 * **Mismatch figures** each logging step: ``routing/rollout_flip_rate`` (rollout against the first training-side
-  forward's own choice), ``routing/stale_flip_rate`` (that first forward against the current one, later updates
-  only), and, in a batch's first update, the log-probability gap over completion tokens whose routing agreed in
-  every layer and over the rest (``routing/rollout_logp_gap``, ``_agreed``, ``_disagreed``).
+  forward's own choice), ``routing/stale_mismatch`` (in a batch's updates after its first, the live routers'
+  choice against the routes the mode replays, ``off`` against the first forward's own; also per update index,
+  ``routing/stale_mismatch/update_<i>``), and, in a batch's first update, the log-probability gap over completion
+  tokens whose routing agreed in every layer and over the rest (``routing/rollout_logp_gap``, ``_agreed``,
+  ``_disagreed``).
 * **Precision, said at construction**: TRL's ``bf16`` (its default) runs generation *and* the training forwards
   under bfloat16 autocast; ``rollout_dtype="bfloat16"`` with ``bf16=False`` generates under bfloat16 autocast
   against float32 training forwards, an engine's precision gap on the CPU; ``rollout_dtype`` with ``bf16=True``
@@ -56,6 +59,7 @@ from rpb.integrations.trl.base_routing import (
 )
 from rpb.integrations.trl.generation import GenerationState
 from rpb.integrations.trl.grpo_checks import config_problems, trainer_problems
+from rpb.integrations.trl.predictive import PR2_INPUTS, PR2_LOGITS, PR2_ROUTES, PredictiveReplay
 from rpb.integrations.trl.rl_prior import batch_labels
 from rpb.integrations.trl.rollouts import RolloutRoutes
 from rpb.integrations.trl.scaling import token_weights_BC
@@ -90,7 +94,11 @@ class GRPOConfig(trl.GRPOConfig):
         default=0.0,
         metadata={"help": "must stay 0.0: rpb adds no native load-balancing loss (use anchor.method=lbl)"},
     )
-    replay: str = field(default="off", metadata={"help": "routing replay: 'off', 'R2' or 'R3' (docs/rl.md)"})
+    replay: str = field(default="off", metadata={"help": "routing replay: 'off', 'R2', 'R3' or 'PR2' (docs/rl.md)"})
+    pr2_lr_scale: float = field(
+        default=1000.0,
+        metadata={"help": "PR2: the predictor's learning rate as a multiple of learning_rate (the reference's alpha)"},
+    )
     rollout_dtype: str | None = field(
         default=None,
         metadata={
@@ -124,7 +132,7 @@ def _say_precision(args) -> None:
         logger.warning("rpb GRPO: %s", line)
 
 
-class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
+class GRPOTrainer(PredictiveReplay, RolloutRoutes, trl.GRPOTrainer):
     """TRL's ``GRPOTrainer`` with an rpb anchor (``anchor``: an installed ``AnchorHandle``; None installs the
     plain ``sft`` one, which adds nothing and lets ``rpb.monitor`` read the training forward) and routing replay
     (``args.replay``). ``model`` must be the model object the anchor was installed on. Everything else is
@@ -154,6 +162,7 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         if self.model is not self.anchor.model:  # TRL wrapped it (peft_config): the routers that run are PEFT's
             self.anchor = self.anchor.reinstall(self.model)
         self.replay = RouteReplay(self.model, adapter=self.anchor.facts.model_type)
+        self._build_predictor()
         self._base_capture = None
         if self.anchor.method.teacher == "routing" and self.beta != 0.0:
             self._base_capture = BaseRoutingCapture()  # the reference forward's routing, read as TRL runs it
@@ -169,13 +178,17 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         self._generation: GenerationState | None = None
         self._micro: dict | None = None
         trained_unmoved = self.num_iterations == 1 and args.steps_per_generation <= args.gradient_accumulation_steps
-        if self.replay_mode == "R2" and trained_unmoved:
+        if self.replay_mode in ("R2", "PR2") and trained_unmoved:
             logger.warning(
-                "rpb GRPO: replay='R2' with num_iterations=1 and steps_per_generation (%d) <= "
+                "rpb GRPO: replay=%r with num_iterations=1 and steps_per_generation (%d) <= "
                 "gradient_accumulation_steps (%d): every micro-batch is trained before the policy moves, so the "
-                "first forward's routing is the training forward's own; R2 equals 'off' plus one forced forward",
+                "first forward's routing is the training forward's own; %s",
+                self.replay_mode,
                 args.steps_per_generation,
                 args.gradient_accumulation_steps,
+                "R2 equals 'off' plus one forced forward"
+                if self.replay_mode == "R2"
+                else "PR2's predictor never sees a later update and stays zero: PR2 equals R2",
             )
 
     def _is_policy(self, model) -> bool:
@@ -231,17 +244,22 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
 
     def _first_forward(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
         """The first training-side forward of a generation batch (no gradients): R3 replays the rollouts' routes,
-        RPB biases it as the training forward will be; it records its own routing (R2's, and the flip rate's
+        RPB biases it as the training forward will be, PR2 routes by its predictor (keeping the routers' inputs
+        and logits at the completion positions); it records its own routing (R2's, and the flip rate's
         reference). The monitor and the anchor's statistics never see it: it is no training forward."""
         state = self._generation
         P = input_ids.shape[1] - logits_to_keep
         routes = self._batch_routes(P, logits_to_keep) if self.replay_mode == "R3" else None
+        keep = logits_to_keep if self.pr2 is not None else 0
         biased = contextlib.nullcontext()
         if state.labels is not None:
             biased = self._prior_rows(*batch_labels(state.labels, P, logits_to_keep), attention_mask)
-        with self.replay.forward(routes), biased, self.anchor.unobserved():
+        with self.replay.forward(routes, predictor=self.pr2, keep_last=keep), biased, self.anchor.unobserved():
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *a, **kw)
         state.first_routes = self.replay.native_BSLK
+        if self.pr2 is not None:
+            kept = (self.replay.chosen_BSLK, self.replay.kept_inputs_BCLH, self.replay.kept_BCLE)
+            state.pr2 = dict(zip((PR2_ROUTES, PR2_INPUTS, PR2_LOGITS), kept, strict=True))
         return out
 
     def _generate_and_score_completions(self, inputs):
@@ -250,7 +268,7 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         state = self._generation = GenerationState(rows=inputs)
         try:
             output = super()._generate_and_score_completions(inputs)
-            if self.replay_mode == "R2" and state.first_routes is None:
+            if self.replay_mode in ("R2", "PR2") and state.first_routes is None:
                 # R2 replays the first forward's routing: run it where TRL would skip it (its log-probs then
                 # serve as the old ones, equal to what TRL's would be), with every field TRL's forward takes
                 fields = {k: output[k] for k in _FORWARD_FIELDS if k in output}
@@ -284,6 +302,11 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
             output["rpb_rollout_logps"] = logps_BC.to(device)
         if state.first_routes is not None:
             output["rpb_first_routes"] = state.first_routes.to(device)
+        if state.pr2 is not None:
+            output.update({k: v.to(device) for k, v in state.pr2.items()})
+            mib = sum(v.numel() * v.element_size() for v in state.pr2.values()) / 2**20
+            said = f"PR2 carries its routes, the routers' inputs and logits at the completion positions: {mib:.1f} MiB"
+            self._say_once("pr2-memory", f"rpb GRPO: {said} each generation batch")
         if state.labels is not None:
             sample_B, span_BS = batch_labels(state.labels, P, C)
             output["rpb_sample_index"] = sample_B.to(device)
@@ -343,8 +366,9 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         sample_BS = torch.zeros_like(mask_BS, dtype=torch.long)
         span_BS = torch.full_like(sample_BS, -1)  # no prior: no token takes a bias
         normalised_BS = (weights_BS / total if total > 0 else weights_BS).float()
-        routes = {"R3": inputs.get("rpb_rollout_routes"), "R2": inputs.get("rpb_first_routes")}.get(self.replay_mode)
-        generate_every = self.args.steps_per_generation * self.num_iterations
+        replayed = {"R3": "rpb_rollout_routes", "R2": "rpb_first_routes", "PR2": PR2_ROUTES}.get(self.replay_mode)
+        routes = inputs.get(replayed) if replayed else None
+        update = self.update_index()
         if "rpb_span_ids" in inputs:
             sample_BS = torch.where(mask_BS.bool(), inputs["rpb_sample_index"][:, None], -1)
             span_BS = inputs["rpb_span_ids"]
@@ -359,12 +383,13 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
             "inputs": inputs,
             "routes": routes,
             "scale": total,
-            "first_update": (self._step % generate_every) // self.args.steps_per_generation == 0,
+            "update": update,
             "stack": stack,
             "train_logps": None,
         }
         stack.enter_context(self.anchor.step(sample_BS, span_BS, mask_BS, normalised_BS)).base = base
-        stack.enter_context(self.replay.forward(routes))
+        keep = inputs["completion_ids"].shape[1] if self.pr2 is not None else 0  # _train_predictor picks the updates
+        stack.enter_context(self.replay.forward(routes, keep_last=keep))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         try:
@@ -379,6 +404,7 @@ class GRPOTrainer(RolloutRoutes, trl.GRPOTrainer):
         if not self.model.training or self._micro is None:
             return loss
         self._log_mismatch(self._micro)
+        self._train_predictor(self._micro)
         if self.anchor.method.loss is None:
             return loss
         term = self.anchor.loss()

@@ -34,6 +34,13 @@ def config_problems(args) -> list[str]:
         )
     if getattr(args, "routes_format", "vllm") not in ROUTE_READERS:
         out.append(f"routes_format={args.routes_format!r}: one of {', '.join(ROUTE_READERS)}")
+    if replay == "PR2" and not getattr(args, "pr2_lr_scale", 0) > 0:
+        out.append(f"pr2_lr_scale={getattr(args, 'pr2_lr_scale', None)!r}: a positive multiple of learning_rate")
+    if replay == "PR2" and getattr(args, "world_size", 1) > 1:
+        out.append(
+            f"replay='PR2' on {args.world_size} processes: PR2's predictor sits beside the model, outside its DDP / "
+            "FSDP wrapper, so each rank would train its own; not built: run PR2 on one process"
+        )
     rollout_dtype = getattr(args, "rollout_dtype", None)
     if rollout_dtype not in (None, "bfloat16"):
         out.append(f"rollout_dtype={rollout_dtype!r}: None or 'bfloat16'")
@@ -63,6 +70,12 @@ def trainer_problems(
             f"anchor.method={anchor.method.name} with replay='R3': the rollout's routes are bias-free (rollouts "
             "stay bias-free, like the model that will be served), so replaying them cancels the bias's effect on "
             "selection; use R2 (its routes are the biased training forward's own) or off (docs/rl.md)"
+        )
+    if anchor is not None and anchor.method.needs_prior and replay == "PR2":
+        out.append(
+            f"anchor.method={anchor.method.name} with replay='PR2': the first forward's routes would be chosen by "
+            "the prior's bias and the predictor at once, and the predictor would learn the bias's effect as drift; "
+            "use R2 (docs/rl.md)"
         )
     if anchor is not None and anchor.method.needs_prior and not set(PREPARED_COLUMNS) <= set(columns):
         out.append(

@@ -38,16 +38,25 @@ logger = logging.getLogger(__name__)
 
 #: GRPOConfig.routes_format -> the reader of one rollout's engine routes
 ROUTE_READERS = {"vllm": routes_from_vllm, "sglang": routes_from_sglang}
-#: the rollout figures, each a sum over a logging window's micro-batches and ranks divided by its tokens (the
-#: flip rates by tokens x layers); ``routing/rollout_logp_missing`` is the window's count
+#: the mismatch figures, each a sum over a logging window's micro-batches and ranks divided by its tokens (the
+#: flip rates and the stale mismatch by tokens x layers); ``routing/rollout_logp_missing`` is the window's count;
+#: ``routing/stale_mismatch/update_<i>`` beside them for each update index a batch reaches
 FIGURES = (
     "routing/rollout_flip_rate",
-    "routing/stale_flip_rate",
+    "routing/stale_mismatch",
     "routing/rollout_logp_gap",
     "routing/rollout_logp_gap_agreed",
     "routing/rollout_logp_gap_disagreed",
     "routing/rollout_logp_missing",
 )
+
+
+def update_index(step: int, generate_every: int, accumulation: int) -> int:
+    """How many optimizer updates the policy has taken since micro-batch ``step``'s generation batch was made
+    (TRL generates at every ``generate_every``-th micro-batch and steps the optimizer after every
+    ``accumulation``-th): 0 while the policy is still the one that generated it, i after i updates."""
+    start = step - step % generate_every
+    return step // accumulation - start // accumulation
 
 
 def logp_value(value) -> float:
@@ -192,15 +201,29 @@ class RolloutRoutes:
         entry[0] += total
         entry[1] += weight
 
+    def update_index(self) -> int:
+        """The current micro-batch's update index in its generation batch (``update_index``)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return update_index(self._step, generate_every, self.args.gradient_accumulation_steps)
+
+    def _figure_names(self) -> tuple[str, ...]:
+        """``FIGURES`` and a stale figure per update index >= 1 a generation batch can reach (the same on every
+        rank: the schedule is the config's)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        accumulation = self.args.gradient_accumulation_steps
+        reached = {update_index(s, generate_every, accumulation) for s in range(generate_every * accumulation)}
+        return FIGURES + tuple(f"routing/stale_mismatch/update_{i}" for i in sorted(reached) if i >= 1)
+
     def routing_figures(self) -> dict[str, float]:
-        """The logging window's rollout figures, summed over ranks first (every rank calls it at every training
+        """The logging window's mismatch figures, summed over ranks first (every rank calls it at every training
         log, as TRL's ``log`` runs on every rank); the window restarts. A figure with no token is absent."""
         window, self._window = self._window or {}, {}
-        flat = torch.tensor([v for name in FIGURES for v in window.get(name, (0.0, 0.0))], dtype=torch.float64)
+        names = self._figure_names()
+        flat = torch.tensor([v for name in names for v in window.get(name, (0.0, 0.0))], dtype=torch.float64)
         if self.accelerator.num_processes > 1:
             flat = self.accelerator.reduce(flat.to(self.accelerator.device), reduction="sum").cpu()
         out = {}
-        for i, name in enumerate(FIGURES):
+        for i, name in enumerate(names):
             total, weight = float(flat[2 * i]), float(flat[2 * i + 1])
             if weight > 0:
                 out[name] = total if name.endswith("_missing") else total / weight
@@ -208,27 +231,28 @@ class RolloutRoutes:
 
     def _log_mismatch(self, micro: dict) -> None:
         inputs, replayed = micro["inputs"], micro["routes"]
-        if "rpb_rollout_routes" not in inputs:
-            return
-        rollout = inputs["rpb_rollout_routes"]
-        native = self.replay.native_BSLK.to(rollout.device)
+        native = self.replay.native_BSLK.to(inputs["completion_mask"].device)
         P = inputs["prompt_ids"].shape[1]
         mask_BC = inputs["completion_mask"]
         if "tool_mask" in inputs:  # a tool's result is no rollout's choice: it counts in no figure
             mask_BC = mask_BC * inputs["tool_mask"]
-        count_BS = completion_positions(P, mask_BC.bool()) & routed_positions(rollout)
-        tokens, L = float(count_BS.sum()), rollout.shape[2]
+        completion_BS = completion_positions(P, mask_BC.bool())
         first = inputs.get("rpb_first_routes")
-        if micro["first_update"]:
-            if first is None:  # no scoring forward ran: this one is the batch's first (the buffered dict keeps it)
-                first = inputs["rpb_first_routes"] = native
+        if micro["update"] == 0 and first is None:
+            # no scoring forward ran: this one is the batch's first (the buffered dict keeps it)
+            first = inputs["rpb_first_routes"] = native
+        self._log_stale(micro, native, completion_BS)
+        if "rpb_rollout_routes" not in inputs:
+            return
+        rollout = inputs["rpb_rollout_routes"]
+        count_BS = completion_BS & routed_positions(rollout)
+        tokens, L = float(count_BS.sum()), rollout.shape[2]
+        if micro["update"] == 0:
             self._add("routing/rollout_flip_rate", float(flips_L(rollout, first, count_BS).sum()), tokens * L)
-        elif first is not None:
-            self._add("routing/stale_flip_rate", float(flips_L(first, native, count_BS).sum()), tokens * L)
         used = native if replayed is None else torch.where(replayed >= 0, replayed, native)
         agreed_BC = agreed_for_completion(differs_BSL(rollout, used) & routed_positions(rollout)[..., None], P)
         # the first update only: later ones add the policy's own change since the rollout (the importance ratio)
-        if micro["first_update"] and micro.get("train_logps") is not None and "rpb_rollout_logps" in inputs:
+        if micro["update"] == 0 and micro.get("train_logps") is not None and "rpb_rollout_logps" in inputs:
             rollout_BC = inputs["rpb_rollout_logps"]
             seen_BC = ~torch.isnan(rollout_BC)
             self._add("routing/rollout_logp_missing", float((mask_BC.bool() & ~seen_BC).sum()), 1.0)
@@ -238,3 +262,17 @@ class RolloutRoutes:
                 key = "routing/rollout_logp_gap" if name == "all" else f"routing/rollout_logp_gap_{name}"
                 if n and not math.isnan(gap[name]):
                     self._add(key, gap[name] * n, n)
+
+    def _log_stale(self, micro: dict, native_BSLK: torch.Tensor, completion_BS: torch.Tensor) -> None:
+        """``routing/stale_mismatch`` (and its update's): in an update after a batch's first, the share of completion
+        tokens x MoE layers whose live top-k set differs from the routes the mode replays; under ``off``, from the
+        first training-side forward's own choice (staleness, not the rollout's precision gap)."""
+        i = micro["update"]
+        against = micro["routes"] if self.replay_mode != "off" else micro["inputs"].get("rpb_first_routes")
+        if i < 1 or against is None:
+            return
+        against = against.to(native_BSLK.device)
+        count_BS = completion_BS & routed_positions(against)
+        flips, weight = float(flips_L(native_BSLK, against, count_BS).sum()), float(count_BS.sum()) * against.shape[2]
+        self._add("routing/stale_mismatch", flips, weight)
+        self._add(f"routing/stale_mismatch/update_{i}", flips, weight)

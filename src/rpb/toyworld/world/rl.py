@@ -155,7 +155,7 @@ def train_rl_cell(
         "seconds": seconds,
         "reward": figure("reward"),
         "rollout_flip_rate": figure("routing/rollout_flip_rate"),
-        "stale_flip_rate": figure("routing/stale_flip_rate"),
+        "stale_mismatch": figure("routing/stale_mismatch"),
         "logp_gap": figure("routing/rollout_logp_gap"),
         "logp_gap_agreed": figure("routing/rollout_logp_gap_agreed"),
         "logp_gap_disagreed": figure("routing/rollout_logp_gap_disagreed"),
