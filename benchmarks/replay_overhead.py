@@ -1,4 +1,5 @@
-"""What routing replay costs: a GRPO-shaped training step with ``R3`` against ``off``, and generation with the
+"""What routing replay costs: a GRPO-shaped training step with ``R3`` against ``off`` and ``PR2`` against ``R3``, and
+generation with the
 routes recorded against generation without, on the toy world's shipped base 0 (bases/base0: a Moonlight-shaped
 MoE, 4 layers, 64 experts, top-6, DeepSeek-V3 routing).
 
@@ -7,11 +8,14 @@ timed, in one process, alternating the order every round:
 
 * the training step (generation excluded): a forward of prompt and completion, the completion tokens'
   log-probabilities, a policy-gradient loss with fixed advantages, backward, AdamW; ``plain`` (no hook),
-  ``off`` (rpb's GRPO ``off``: the routers' own choice recorded for the mismatch figures) and ``R3`` (the
-  rollout's routes replayed), each on its own copy of the model and optimizer;
+  ``off`` (rpb's GRPO ``off``: the routers' own choice recorded for the mismatch figures), ``R3`` (the
+  rollout's routes replayed) and ``PR2`` (the routes a predictor's forward chose, replayed, the routers' logits
+  kept at the completion positions, and the predictor's loss back-propagated and stepped: a later update's
+  step, its costliest), each on its own copy of the model and optimizer;
 * generation: ``model.generate`` of the same prompts, the same seed, with and without ``GenerationRecorder``.
 
 Per variant the median of ``--steps`` timed repeats after ``--warmup``. ``ratio`` = R3 / off (target <= 1.10),
+``pr2_ratio`` = PR2 / R3 (target <= 1.15),
 ``ratio_vs_plain`` = R3 / plain, ``generation_ratio`` = recorded / plain generation (the recorded variant's time
 includes reading its routes and log-probabilities off the device: the one transfer a generation makes). The
 exit status is 0 whether the target holds or not; the last line printed is one JSON object.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import statistics
 import time
@@ -36,12 +41,14 @@ from pathlib import Path
 import torch
 
 from rpb.adapters import find_moe_layers, get_adapter
+from rpb.anchors.transform import family_transform
 from rpb.models import load_causal_lm, load_tokenizer
-from rpb.replay import GenerationRecorder, RouteReplay, batch_routes, rollout_routes
+from rpb.replay import GenerationRecorder, RoutePredictor, RouteReplay, batch_routes, predictor_loss, rollout_routes
 from rpb.toyworld.world.tasks import sample
 
 BASE = Path(__file__).resolve().parents[1] / "bases" / "base0"
 TARGET = 1.10
+PR2_TARGET = 1.15
 
 
 def parse_args() -> argparse.Namespace:
@@ -80,13 +87,19 @@ def generate(model, prompt_ids, prompt_mask, new_tokens: int, recorder: Generati
         return seqs
 
 
-def training_step(model, optimizer, seqs, mask, advantages, C: int, replay=None, routes=None) -> None:
-    """Forward, the completion tokens' log-probabilities, a policy-gradient loss, backward, AdamW."""
-    with replay.forward(routes) if replay is not None else contextlib.nullcontext():
+def training_step(model, optimizer, seqs, mask, advantages, C: int, replay=None, routes=None, pr2=None) -> None:
+    """Forward, the completion tokens' log-probabilities, a policy-gradient loss, backward, (PR2) the predictor's
+    loss and its backward, AdamW."""
+    keep = C if pr2 is not None else 0
+    with replay.forward(routes, keep_last=keep) if replay is not None else contextlib.nullcontext():
         logits = model(input_ids=seqs, attention_mask=mask).logits[:, -C - 1 : -1].float()
         logps = torch.log_softmax(logits, -1).gather(-1, seqs[:, -C:, None]).squeeze(-1)
         loss = -(advantages[:, None] * logps).mean()
         loss.backward()
+        if pr2 is not None:
+            predictor, inputs_BCLH, recorded_BCLE, transform = pr2
+            count_BC = torch.ones(recorded_BCLE.shape[:2], dtype=torch.bool, device=recorded_BCLE.device)
+            predictor_loss(predictor, inputs_BCLH, recorded_BCLE, replay.kept_BCLE, count_BC, transform).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -116,19 +129,31 @@ def main() -> None:
     advantages = torch.linspace(-1, 1, args.rollouts, device=device)
 
     variants = {}
-    for name in ("plain", "off", "R3"):
+    for name in ("plain", "off", "R3", "PR2"):
         model = copy.deepcopy(base)
         replay = RouteReplay(model) if name != "plain" else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-        variants[name] = (model, optimizer, replay, routes if name == "R3" else None)
+        variants[name] = (model, optimizer, replay, routes if name == "R3" else None, None)
+    model, optimizer, replay, _, _ = variants["PR2"]
+    layers = replay.layers
+    predictor = RoutePredictor([m.router.weight.shape[1] for m in layers], [s.num_experts for s in replay.specs])
+    predictor = predictor.to(device)
+    with torch.no_grad():  # a predictor that moves the routes, as after a few updates
+        for linear in predictor.linears:
+            linear.weight.normal_(0.0, 1.0 / linear.weight.shape[1] ** 0.5)
+    optimizer.add_param_group({"params": list(predictor.parameters()), "lr": 1e-3})
+    with torch.no_grad(), replay.forward(predictor=predictor, keep_last=C):  # the batch's first forward
+        model(input_ids=seqs, attention_mask=mask)
+    pr2 = (predictor, replay.kept_inputs_BCLH, replay.kept_BCLE, family_transform(facts.score_function))
+    variants["PR2"] = (model, optimizer, replay, replay.chosen_BSLK, pr2)
     times = {name: [] for name in variants}
     gen_times = {"plain": [], "recorded": []}
     for round_ in range(args.warmup + args.steps):
         order = list(variants) if round_ % 2 == 0 else list(reversed(list(variants)))
         for name in order:
-            model, optimizer, replay, given = variants[name]
-            t = timed(lambda m=model, o=optimizer, r=replay, g=given: training_step(m, o, seqs, mask, advantages, C,
-                                                                                     r, g), device)  # fmt: skip
+            model, optimizer, replay, given, pr2 = variants[name]
+            step = functools.partial(training_step, model, optimizer, seqs, mask, advantages, C, replay, given, pr2)
+            t = timed(step, device)
             if round_ >= args.warmup:
                 times[name].append(t)
         for name in ("plain", "recorded") if round_ % 2 == 0 else ("recorded", "plain"):
@@ -144,6 +169,9 @@ def main() -> None:
         print(f"generation {name:>8}: {value * 1000:8.1f} ms (median of {args.steps})")
     result = {
         "ratio": round(median["R3"] / median["off"], 4),
+        "pr2_ratio": round(median["PR2"] / median["R3"], 4),
+        "pr2_target": PR2_TARGET if device.type == "cpu" else None,
+        "pr2_holds": median["PR2"] / median["R3"] <= PR2_TARGET if device.type == "cpu" else None,
         "ratio_vs_plain": round(median["R3"] / median["plain"], 4),
         "off_vs_plain": round(median["off"] / median["plain"], 4),
         "generation_ratio": round(gen_median["recorded"] / gen_median["plain"], 4),
