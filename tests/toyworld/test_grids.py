@@ -22,7 +22,19 @@ GRIDS = grids()
 
 
 def test_every_grid_module_declares_one_grid_found_by_its_name():
-    assert list(GRIDS) == ["beta", "beta-frequency", "cot", "demo", "full", "headline", "hold", "revert", "rl", "small"]
+    assert list(GRIDS) == [
+        "beta",
+        "beta-frequency",
+        "cot",
+        "demo",
+        "full",
+        "headline",
+        "hold",
+        "revert",
+        "rl",
+        "rl-stale",
+        "small",
+    ]
     assert find("small") is SMALL and find("rpb.toyworld.grids.full:GRID") is FULL
     assert all(g.about for g in GRIDS.values()), "each grid says what it runs, for rpb experiment --help"
 

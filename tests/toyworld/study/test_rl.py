@@ -33,7 +33,9 @@ def test_every_cell_of_the_grid_starts_from_the_recorded_start(rl_finished):
         assert set(r["retention"]) == {f"{w}_{k}" for w in ("base", "start") for k in RETENTION_KEYS} | {
             "flip_rate",
             "logp_gap",
+            "stale_mismatch",
         }
+        assert r["retention"]["stale_mismatch"] == r["rl"]["summary"]["stale_mismatch"]
     assert not list((study.out / "runs").glob("*/*/*/model")), "no checkpoint is kept"
 
 

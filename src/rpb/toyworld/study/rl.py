@@ -186,7 +186,9 @@ class RLStudy(Study):
             retention |= {f"{name}_{k}": report["mean"][k] for k in RETENTION_KEYS}
             shutil.rmtree(where / f"retention_{name}", ignore_errors=True)
         summary = result["rl"]["summary"]
-        return {"retention": retention | {"flip_rate": summary["flip_rate"], "logp_gap": summary["logp_gap"]}}
+        # a cell from before issue 64 has no stale mismatch in its summary: none is made up for it
+        figures = {k: summary[k] for k in ("flip_rate", "logp_gap", "stale_mismatch") if k in summary}
+        return {"retention": retention | figures}
 
     def _run(self) -> list[dict]:
         from rpb.toyworld.study.lanes import Job, run_jobs

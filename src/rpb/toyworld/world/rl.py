@@ -147,7 +147,11 @@ def train_rl_cell(
     flips, gaps = figure("routing/rollout_flip_rate"), figure("routing/rollout_logp_gap")
     return {
         # the claims' figures (the grid's claims read them): the means over training, and the collapse rule's verdict
-        "summary": {"flip_rate": _mean(flips), "logp_gap": _mean(gaps)}
+        "summary": {
+            "flip_rate": _mean(flips),
+            "logp_gap": _mean(gaps),
+            "stale_mismatch": _mean(figure("routing/stale_mismatch")),
+        }
         | ({"collapsed": collapsed(figure("reward"), figure("loss"))} if collapsed else {}),
         "arm": asdict(arm) | {"trl": dict(arm.trl)},
         "seed": seed,
