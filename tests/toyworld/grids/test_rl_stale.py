@@ -3,11 +3,13 @@ collapse claim against a hypergeometric tail computed here, and its arms as the 
 
 from __future__ import annotations
 
+import json
 from math import comb
+from pathlib import Path
 
 import pytest
 
-from rpb.toyworld.grids.rl_stale import BETA, GRID, PLAIN, fisher_more, judge_rl_stale
+from rpb.toyworld.grids.rl_stale import BETA, GRID, PILOT, PLAIN, PR2_SCALES, PRESSURES, fisher_more, judge_rl_stale
 
 BASES, SEEDS = (0, 1, 2), (42, 43, 44)
 ARMS = [a.label for a in GRID.arms]
@@ -78,3 +80,17 @@ def test_the_collapse_claim_is_fishers_one_sided_tail(a, b):
     v = fisher_more("(4)", (a, n), (b, m))
     assert v.p == pytest.approx(tail, rel=1e-12)
     assert v.verdict == ("reproduces" if tail < 0.05 else "inconclusive")
+
+
+def test_the_grid_takes_the_shipped_pilots_choices_by_the_pilots_own_rule():
+    shipped = json.loads((Path(__file__).resolve().parents[3] / "docs/results/rl-stale/pilot.json").read_text())
+    plain = shipped["plain_stale_mismatch"]
+    names = [f"plain-{u}x{i}-lr{lr:g}" for u, i, lr in PRESSURES]
+    first = next(p for p, name in zip(PRESSURES, names, strict=True) if plain[name] >= 2 * plain["rl recipe"])
+    scales = shipped["pr2_stale_mismatch"]
+    assert tuple(shipped["pressure"]) == first == PILOT["pressure"]
+    assert float(min(scales, key=scales.get)) == shipped["pr2_lr_scale"] == PILOT["pr2_lr_scale"]
+    assert set(scales) == {f"{s:g}" for s in PR2_SCALES}
+    updates, iterations, lr = first
+    assert (GRID.recipe.steps_per_generation, GRID.recipe.lr) == (updates, lr)
+    assert dict(GRID.arms[3].trl) == {"num_iterations": iterations, "pr2_lr_scale": PILOT["pr2_lr_scale"]}

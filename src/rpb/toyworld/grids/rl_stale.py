@@ -11,6 +11,15 @@ recipe: the scale whose PR2 run reads the lowest mean stale mismatch (PR2 runs a
 ``BETA`` = 0.04 (the GRPO paper's, TRL's former default). The pilot's figures and choices: ``PILOT``, also in
 ``docs/results/rl-stale/pilot.json``.
 
+**The pilot** (2026-12-07, Intel Xeon, one thread, the ``hold`` grid's lanes beside it): plain GRPO's mean stale
+mismatch 0.0151 at the ``rl`` grid's recipe (2 updates per generation batch, learning rate 5e-5) and 0.0481 at 4
+updates x 2 iterations, 5e-5 (3.2 times: the first candidate, chosen). PR2 on that recipe: 0.0838 at scale 50,
+0.0962 at 100, 0.264 at 1,000 (the reference's default), 0.978 at 10,000 (the predictor diverged: its loss stayed
+near 50 to 95); 50 chosen. At every candidate scale PR2's replayed routes were *staler* than plain GRPO's own
+first-forward routes in the pilot: at 50, 0.178 against plain's 0.089 in the first fifth of training, 0.022
+against 0.014 in the last, while the predictor's loss fell from 0.0047 to 0.0001. Claim 1 is judged as fixed all
+the same; the pilot is one base and one seed.
+
 **A cell's figures** (``stats.points``): ``id`` / ``ood`` exact match in points on the test part;
 ``stale_mismatch`` (the mean over the training's logged steps of ``routing/stale_mismatch``: updates >= 1 of each
 generation batch), ``logp_gap`` and ``start_topk_overlap`` from ``result["retention"]``; the collapse rule's
@@ -50,8 +59,8 @@ PRESSURES = ((4, 2, 5e-5), (4, 2, 1e-4), (8, 2, 1e-4))
 PR2_SCALES = (50.0, 1e2, 1e3, 1e4)
 PILOT_SEED, PILOT_BASE = 41, 0
 
-#: what the pilot chose (module docstring): filled in from docs/results/rl-stale/pilot.json before the first cell
-PILOT: dict = {}
+#: what the pilot chose (module docstring; its figures in docs/results/rl-stale/pilot.json), fixed before any cell
+PILOT: dict = {"pressure": (4, 2, 5e-5), "pr2_lr_scale": 50.0}
 
 
 def _pressure() -> tuple[int, int, float]:
