@@ -65,5 +65,10 @@ def test_a_cell_of_each_kind_trains_saves_and_records_what_it_ran(label, save_ti
     assert record["summary"]["flip_rate"] == pytest.approx(sum(present) / len(present))
     assert seen == [(record["reward"], record["loss"])] and record["summary"]["collapsed"] is True
     assert len(record["logp_gap"]) == TINY.max_steps
+    # the stale mismatch at each later update index of a generation batch (here one: 2 updates a batch)
+    assert set(record["stale_mismatch_by_update"]) == {str(i) for i in range(1, TINY.steps_per_generation)}
+    assert record["summary"]["stale_mismatch"] == pytest.approx(
+        sum(v for v in record["stale_mismatch"] if v is not None) / sum(v is not None for v in record["stale_mismatch"])
+    )
     json.dumps(record)  # a cell's record is written as JSON
     AutoModelForCausalLM.from_pretrained(tmp_path / "cell" / "model")

@@ -145,6 +145,8 @@ def train_rl_cell(
         return [h.get(key) for h in logs]
 
     flips, gaps = figure("routing/rollout_flip_rate"), figure("routing/rollout_logp_gap")
+    stale = "routing/stale_mismatch/update_"
+    updates = sorted({int(k.removeprefix(stale)) for h in logs for k in h if k.startswith(stale)})
     return {
         # the claims' figures (the grid's claims read them): the means over training, and the collapse rule's verdict
         "summary": {
@@ -160,6 +162,8 @@ def train_rl_cell(
         "reward": figure("reward"),
         "rollout_flip_rate": figure("routing/rollout_flip_rate"),
         "stale_mismatch": figure("routing/stale_mismatch"),
+        # the mismatch's growth with each reuse of a generation batch: its mean over training at each update index
+        "stale_mismatch_by_update": {str(i): _mean(figure(f"{stale}{i}")) for i in updates},
         "logp_gap": figure("routing/rollout_logp_gap"),
         "logp_gap_agreed": figure("routing/rollout_logp_gap_agreed"),
         "logp_gap_disagreed": figure("routing/rollout_logp_gap_disagreed"),
