@@ -6,7 +6,16 @@ import pytest
 from scipy import stats
 
 from rpb.toyworld.study.figures import save
-from rpb.toyworld.study.rl_figures import WINDOW, band, final_reward, logged, rl_figure, running_mean
+from rpb.toyworld.study.rl_figures import (
+    WINDOW,
+    band,
+    final_reward,
+    has_stale_by_update,
+    logged,
+    rl_figure,
+    running_mean,
+    stale_figure,
+)
 
 
 def test_the_helpers_against_hand_values():
@@ -47,4 +56,19 @@ def test_the_figure_draws_each_arms_cells(rl_finished, tmp_path):
         expected = sorted(zip(finals, [r["retention"]["start_topk_overlap"] for r in cells], strict=True))
         np.testing.assert_allclose(np.array(drawn, dtype=float), np.array(expected, dtype=float))
     a, b = save(fig, tmp_path / "a.svg"), save(rl_figure(results, "mini"), tmp_path / "b.svg")
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_the_stale_figure_draws_each_arms_mean_per_update_index(tmp_path):
+    by_update = {"grpo": [{"1": 0.1, "2": 0.3}, {"1": 0.2, "2": 0.5}], "grpo + PR2": [{"1": 0.05, "2": 0.1},
+                 {"1": 0.15, "2": 0.3}, {"1": 0.1, "2": 0.2}]}  # fmt: skip
+    results = [
+        {"arm": arm, "rl": {"stale_mismatch_by_update": cell}} for arm, cells in by_update.items() for cell in cells
+    ]
+    results.append({"arm": "old", "rl": {}})  # a cell from before issue 64: nothing drawn for it
+    assert has_stale_by_update(results) and not has_stale_by_update([{"arm": "old", "rl": {}}])
+    fig = stale_figure(results, "mini")
+    for arm, cells in by_update.items():
+        assert _artist(fig, f"stale-{arm}").get_ydata() == pytest.approx([np.mean([c[i] for c in cells]) for i in "12"])
+    a, b = save(fig, tmp_path / "a.svg"), save(stale_figure(results, "mini"), tmp_path / "b.svg")
     assert a.read_bytes() == b.read_bytes()

@@ -52,7 +52,10 @@ def test_the_routing_table_and_the_detectable_differences(reported):
     routing = {r[0]: r for r in _section(tables, "Routing")}
     r3 = [r for r in results if r["arm"] == "grpo + R3"]
     overlap = [r["retention"]["start_topk_overlap"] for r in r3]
-    assert routing["grpo + R3"][3] == f"{statistics.fmean(overlap):.3f} ± {statistics.stdev(overlap):.3f}"
+    # cells that record the stale mismatch get its column after the flip rate
+    stale = [r["retention"]["stale_mismatch"] for r in r3]
+    assert routing["grpo + R3"][2] == f"{statistics.fmean(stale):.3f} ± {statistics.stdev(stale):.3f}"
+    assert routing["grpo + R3"][4] == f"{statistics.fmean(overlap):.3f} ± {statistics.stdev(overlap):.3f}"
     detectable = {r[0]: r for r in _section(tables, "What the grid could detect")}
     assert set(detectable) == {"2", "3", "8"}, "the pairs of the arms the grid ran"
     by = {(r["arm"], r["seed"]): r["retention"]["flip_rate"] for r in results}
@@ -73,6 +76,7 @@ def test_the_claims_the_arms_allow_are_judged_and_the_files_written(reported):
     assert len(shipped) == len(results) and all(set(c["rl"]) == {"summary", "arm", "seed", "settings", "seconds"}
                                                 for c in shipped)  # fmt: skip
     assert (out / "rl.svg").is_file() and (out / "claims.svg").is_file() and (out / "tables.md").read_text() == tables
+    assert (out / "stale.svg").is_file() and "(stale.svg)" in tables  # the cells record the mismatch per update
     assert isinstance(study.grid, RLGrid)
 
 

@@ -1,4 +1,5 @@
-"""The ``rl`` grid's figure (``rl.svg``), drawn from its cells' records.
+"""The ``rl`` grids' figures, drawn from their cells' records: ``rl.svg``, and (cells that record it: the
+``rl-stale`` grid's) ``stale.svg``, the stale mismatch at each update index of a generation batch.
 
 Top: the reward and the rollout-vs-training flip rate against the optimizer step, per arm: at each step the mean
 over the arm's cells (bases x seeds) of each cell's running mean over ``WINDOW`` logged values, with a 95% t
@@ -18,6 +19,7 @@ from scipy.stats import t as student_t
 from rpb.toyworld.study.figures import _figure, _style, _unique, save
 
 RL_FIGURE = "rl.svg"
+STALE_FIGURE = "stale.svg"
 #: logged values in each cell's running mean (the reward is logged once per generation batch)
 WINDOW = 10
 CURVES = (("reward", "reward (exact match)"), ("rollout_flip_rate", "flip rate (rollout vs training top-k)"))
@@ -96,3 +98,40 @@ def rl_figure(results: list[dict], title: str):
 
 def write_rl_figure(out: Path, title: str, results: list[dict]) -> Path:
     return save(rl_figure(results, title), Path(out) / RL_FIGURE)
+
+
+def has_stale_by_update(results: list[dict]) -> bool:
+    """Whether the cells record the stale mismatch per update index (cells from before issue 64 do not)."""
+    return any(r.get("rl", {}).get("stale_mismatch_by_update") for r in results)
+
+
+def stale_figure(results: list[dict], title: str):
+    """Per arm, at each update index i >= 1 of a generation batch: the mean over the arm's cells of each cell's mean
+    ``routing/stale_mismatch/update_<i>`` over training, with a 95% t interval over those cells; one point per
+    cell beside it."""
+    arms = _unique(r["arm"] for r in results)
+    with _style():
+        fig = _figure(8.0, 4.5)
+        ax = fig.subplots()
+        for k, arm in enumerate(arms):
+            by_cell = [r["rl"].get("stale_mismatch_by_update") or {} for r in results if r["arm"] == arm]
+            updates = sorted({int(i) for cell in by_cell for i in cell})
+            if not updates:
+                continue
+            curves = [[cell.get(str(i), np.nan) for i in updates] for cell in by_cell]
+            mean, lo, hi = band(curves)
+            x = np.array(updates) + (k - (len(arms) - 1) / 2) * 0.06  # arms side by side at each index
+            ax.errorbar(x, mean, yerr=[mean - lo, hi - mean], color=f"C{k}", ls="none", capsize=2, lw=1.0)
+            ax.plot(x, mean, color=f"C{k}", marker="o", ms=4, lw=1.2, label=arm, gid=f"stale-{arm}")
+            for curve in curves:
+                ax.plot(x, curve, ls="none", marker=".", ms=2, color=f"C{k}", alpha=0.4)
+        ax.set_xlabel("update index within a generation batch (0: the policy that generated it)")
+        ax.set_ylabel("stale mismatch\n(live top-k vs the replayed routes)")
+        ax.grid(color="0.9", lw=0.6)
+        ax.legend(loc="upper left", frameon=False, fontsize=8)
+        fig.suptitle(f"{title}: the stale mismatch per update index, mean over cells with a 95% t interval")
+    return fig
+
+
+def write_stale_figure(out: Path, title: str, results: list[dict]) -> Path:
+    return save(stale_figure(results, title), Path(out) / STALE_FIGURE)

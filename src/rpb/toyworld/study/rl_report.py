@@ -13,7 +13,14 @@ from pathlib import Path
 from rpb.toyworld.study.claims import verdict_table
 from rpb.toyworld.study.figures import CLAIMS, claims, save
 from rpb.toyworld.study.report import write_across
-from rpb.toyworld.study.rl_figures import RL_FIGURE, final_reward, write_rl_figure
+from rpb.toyworld.study.rl_figures import (
+    RL_FIGURE,
+    STALE_FIGURE,
+    final_reward,
+    has_stale_by_update,
+    write_rl_figure,
+    write_stale_figure,
+)
 from rpb.toyworld.study.stats import (
     interval,
     minimal_detectable_difference,
@@ -105,19 +112,23 @@ def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...], plai
 
 
 def routing_table(results: list[dict], arms: tuple[str, ...]) -> str:
+    # the stale mismatch only where the cells record it (cells from before issue 64 do not: their tables stand)
+    columns = ROUTING
+    if any("stale_mismatch" in r.get("retention", {}) for r in results):
+        columns = (ROUTING[0], ("stale mismatch", "stale_mismatch", 3), *ROUTING[1:])
     lines = [
         "### Routing: through training (flip rate, log-probability gap: means over the steps) and after it, on "
         "the probe set against the `sft` start and against the base (mean ± sd over cells)",
         "",
-        "| arm | " + " | ".join(label for label, _, _ in ROUTING) + " |",
-        "|---" * (len(ROUTING) + 1) + "|",
+        "| arm | " + " | ".join(label for label, _, _ in columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
     ]
     for arm in arms:
         cells = [r["retention"] for r in results if r["arm"] == arm and "retention" in r]
         if not cells:
             continue
         row = [arm]
-        for _, keys, digits in ROUTING:
+        for _, keys, digits in columns:
             keys = keys if isinstance(keys, tuple) else (keys,)
             row.append(" / ".join(mean_sd([c[k] for c in cells], digits, "—") for k in keys))
         lines.append("| " + " | ".join(row) + " |")
@@ -162,11 +173,14 @@ def report_rl(grid, studies: list, results: list[dict], out: Path) -> str:
     verdicts = grid.claims(results, grid.sets) if grid.claims else []
     source = grid.claims.__module__.replace(".", "/") + ".py" if grid.claims else "none declared"
     plain = reference_of(grid)
+    iterations = {dict(a.trl).get("num_iterations", 1) for a in grid.arms}
+    updates = " or ".join(str(r.steps_per_generation * i) for i in sorted(iterations))
+    stale = has_stale_by_update(results)
     parts = [
         f"# Toy-world study: grid `{grid.name}` on bases {[st.base_seed for st in studies]}",
         "",
         f"GRPO from each base's `sft` cell on {post_set} (seed {grid.start_seed}), {r.max_steps} steps, "
-        f"{r.prompts_per_step} prompts x {r.group_size} completions per step, {r.steps_per_generation} updates per "
+        f"{r.prompts_per_step} prompts x {r.group_size} completions per step, {updates} updates per "
         f"generation batch, learning rate {r.lr:g}, temperature {r.temperature:g}, rollouts in {r.rollout_dtype}, "
         f"training in float32; exact-match reward on held-out prompts; {len(grid.seeds)} seeds {list(grid.seeds)}. "
         "ID = the set's test questions, OOD = the four pretraining domains' (docs/rl.md).",
@@ -184,10 +198,13 @@ def report_rl(grid, studies: list, results: list[dict], out: Path) -> str:
         "",
         f"![reward, flip rate and retention]({RL_FIGURE})",
         "",
+        *([f"![the stale mismatch per update index]({STALE_FIGURE})", ""] if stale else []),
     ]
     tables = "\n".join(parts)
     out = Path(out)
     write_across(out, tables, results, studies, _compact)
     write_rl_figure(out, f"Grid `{grid.name}`", results)
+    if stale:
+        write_stale_figure(out, f"Grid `{grid.name}`", results)
     save(claims(verdicts, f"Grid `{grid.name}`"), out / CLAIMS)
     return tables
