@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from rpb.collect import collect
 from rpb.toyworld.grids.rl import RL_ARMS
+from rpb.toyworld.grids.rl_stale import GRID as STALE_GRID
 from rpb.toyworld.world.post import write_rows
 from rpb.toyworld.world.rl import RLRecipe, exact_match_reward, rl_prompts, train_rl_cell
 from rpb.toyworld.world.tasks import Task, sample
@@ -36,9 +37,13 @@ def test_the_reward_is_exact_match_with_the_rows_reference():
     assert reward([[{"role": "assistant", "content": "01"}]], rpb_sample_index=[2]) == [1.0]
 
 
-@pytest.mark.parametrize("label", ["grpo", "grpo + R3", "gspo", "grpo + rpb"])
-def test_a_cell_of_each_kind_trains_saves_and_records_what_it_ran(label, save_tiny, tmp_path):
-    arm = next(a for a in RL_ARMS if a.label == label)
+@pytest.mark.parametrize(
+    "grid, label",
+    [("rl", "grpo"), ("rl", "grpo + R3"), ("rl", "gspo"), ("rl", "grpo + rpb"), ("rl-stale", "grpo + PR2"),
+     ("rl-stale", "grpo + beta + routing-kd")],
+)  # fmt: skip
+def test_a_cell_of_each_kind_trains_saves_and_records_what_it_ran(grid, label, save_tiny, tmp_path):
+    arm = next(a for a in (RL_ARMS if grid == "rl" else STALE_GRID.arms) if a.label == label)
     start = save_tiny("moonlight")
     tasks = sample("math_post", 8, seed=3)
     prompts = write_rows(tasks, tmp_path / "prompts.jsonl")
@@ -53,7 +58,8 @@ def test_a_cell_of_each_kind_trains_saves_and_records_what_it_ran(label, save_ti
         return True
 
     record = train_rl_cell(start, prompts, tasks, tmp_path / "cell", arm, 42, TINY, prior=prior,
-                           anchor={"beta": 1.0} if arm.method == "rpb" else None, collapsed=rule)  # fmt: skip
+                           anchor={"beta": 1.0} if arm.method == "rpb" else {"lambda_": 1.0} if arm.method ==
+                           "routing-kd" else None, collapsed=rule)  # fmt: skip
     assert len(record["loss"]) == TINY.max_steps
     assert record["settings"]["router_aux_loss_coef"] == 0.0
     assert record["settings"]["replay"] == arm.replay and record["settings"]["rollout_dtype"] == "bfloat16"
