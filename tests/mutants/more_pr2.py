@@ -6,6 +6,7 @@ from __future__ import annotations
 from tests.mutants.harness import Mutant
 
 UNIT = "tests/replay/test_predictive.py"
+DISTRIBUTED = "tests/integrations/trl/test_grpo_distributed.py"
 PR2 = "tests/integrations/trl/test_predictive.py"
 STALE = f"{PR2}::test_the_stale_figure_is_the_hand_count_at_every_update_index"
 RECORDED = "test_the_recorded_experts_are_the_familys_selection_on_router_plus_predictor_gates_unbiased"
@@ -60,5 +61,15 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r'micro\["inputs"\]\.get\("rpb_first_routes"\)',
         replacement='micro["inputs"].get("rpb_rollout_routes")',
         tests=(f"{STALE}[off]",),
+    ),
+    Mutant(
+        name="pr2_predictor_gradients_left_per_rank",
+        story="on several processes each rank steps its predictor on its own rows' gradient: the ranks' predictors "
+        "drift apart, and each routes its next batch by another predictor",
+        path="integrations/trl/predictive.py",
+        function="PredictiveReplay.create_optimizer",
+        pattern=r"if self\.accelerator\.num_processes > 1:",
+        replacement="if False:",
+        tests=(f"{DISTRIBUTED}::test_pr2_on_two_processes_takes_the_one_processs_predictor_step",),
     ),
 )

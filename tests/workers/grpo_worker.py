@@ -4,7 +4,9 @@ a step in all (4 prompts x 2 generations), split over the ranks.
 
 ``python grpo_worker.py OUT`` (or under torchrun): each rank writes ``OUT/rank<r>.json``: the positions whose
 replayed experts it checked against its own micro-batches' routes (a hook of its own on each experts module)
-and how many differed; rank 0 adds the log history."""
+and how many differed; rank 0 adds the log history. ``python grpo_worker.py OUT pr2``: the same with PR2 (its
+predictor started from seeded weights, its learning rate 0 as the model's), each rank adding the predictor's
+gradients as the optimizer step sees them (after the ranks' sum)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from transformers import TrainerCallback
 
 from rpb.anchors import AnchorConfig, install_anchor
 from rpb.integrations.trl import GRPOConfig, GRPOTrainer
@@ -30,7 +33,7 @@ def reward(completions, **kwargs):
     return [float(c.count("a") + c.count("e")) for c in completions]
 
 
-def main(out: Path) -> None:
+def main(out: Path, pr2: bool = False) -> None:
     torch.manual_seed(0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -42,11 +45,26 @@ def main(out: Path) -> None:
     args = GRPOConfig(**gloo, output_dir=str(out / "run"), max_steps=2, per_device_train_batch_size=ROLLOUTS // world,
                       num_generations=2, max_completion_length=6, learning_rate=0.0, logging_steps=1,
                       save_strategy="no", report_to=[], use_cpu=True, seed=7, disable_tqdm=True, beta=0.0,
-                      bf16=False, replay="R3", generation_kwargs={"do_sample": False},
-                      steps_per_generation=1, num_iterations=2)  # fmt: skip
+                      bf16=False, replay="PR2" if pr2 else "R3", generation_kwargs={"do_sample": False},
+                      steps_per_generation=1, num_iterations=2, pr2_lr_scale=1.0)  # fmt: skip
     data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
     trainer = GRPOTrainer(model, reward, args, data, processing_class=tok, anchor=anchor)
     attach_monitor(trainer)
+    grads = []
+    if pr2:  # a predictor away from zero: its loss has a gradient although the policy (lr 0) never moves
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for linear in trainer.pr2.linears:
+                linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) / linear.weight.shape[1] ** 0.5)
+
+        def capture(*_):  # registered after rpb's own pre-hook: the gradients the step takes
+            grads.append([p.grad.tolist() if p.grad is not None else None for p in trainer.pr2.parameters()])
+
+        class Capture(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                trainer.optimizer.optimizer.register_step_pre_hook(capture)
+
+        trainer.add_callback(Capture())
     seen, experts = [], {}
     prepare = trainer._prepare_inputs
     trainer._prepare_inputs = lambda batch: seen.append((prepare(batch), dict(experts))) or seen[-1][0]
@@ -65,14 +83,14 @@ def main(out: Path) -> None:
     checked = differed = 0
     for step, (inputs, _) in enumerate(seen):
         got = seen[step + 1][1] if step + 1 < len(seen) else dict(experts)  # this micro-batch's forward
-        routes = inputs["rpb_rollout_routes"]
+        routes = inputs["rpb_pr2_routes" if pr2 else "rpb_rollout_routes"]
         has = (routes >= 0).all(-1).all(-1)
         B, S = has.shape
         for pos in range(routes.shape[2]):
             received = got[pos].reshape(B, S, -1)[has].sort(-1).values
             differed += int((received != routes[has][:, pos].sort(-1).values.to(received.dtype)).any(-1).sum())
             checked += int(has.sum())
-    result = {"rank": rank, "world": world, "checked": checked, "differed": differed}
+    result = {"rank": rank, "world": world, "checked": checked, "differed": differed, "grads": grads}
     if rank == 0:
         result["log_history"] = trainer.state.log_history
     (out / f"rank{rank}.json").write_text(json.dumps(result))
@@ -87,4 +105,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), pr2=sys.argv[2:] == ["pr2"])

@@ -1,13 +1,17 @@
 """rpb's GRPOTrainer on two gloo processes (torchrun) against one process over the same rollouts: R3,
 ``kl-to-base`` and the routing monitor, learning rate 0, greedy float32 generation (tests/workers/grpo_worker.py).
 Every rank replays its own rows' routes (checked against its own micro-batches by a hook of its own), and the
-logged figures, reduced over the ranks and weighted by their tokens, are the one process's."""
+logged figures, reduced over the ranks and weighted by their tokens, are the one process's. With PR2, each rank
+replays its own rows' predicted routes, and the predictor's gradients the optimizer step takes are the one
+process's on every rank."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+import torch
 
 from tests.test_train_distributed import TORCHRUN, run
 
@@ -36,3 +40,21 @@ def test_two_processes_replay_their_own_rows_and_log_what_one_process_logs(tmp_p
         assert figures == {k for k in step_two if k.startswith(("routing/", "anchor/"))}
         for key in figures:
             assert abs(step_one[key] - step_two[key]) <= 1e-6, key
+
+
+def test_pr2_on_two_processes_takes_the_one_processs_predictor_step(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    run([sys.executable, str(WORKER), str(one), "pr2"])
+    run([*TORCHRUN, str(WORKER), str(two), "pr2"])
+    single = json.loads((one / "rank0.json").read_text())
+    ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["checked"] > 0 and r["differed"] == 0 for r in ranks) and single["differed"] == 0
+    # step 0 is a batch's first update (no predictor loss, no gradient); step 1 its second
+    assert [g is None for g in single["grads"][0]] == [True] * len(single["grads"][0])
+    want = [torch.tensor(g) for g in single["grads"][1]]
+    assert all(w.abs().max() > 1e-6 for w in want), "a vanishing gradient would tell nothing"
+    for r in ranks:
+        for got, w in zip(r["grads"][1], want, strict=True):
+            torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-7)

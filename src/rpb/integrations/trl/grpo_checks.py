@@ -36,11 +36,6 @@ def config_problems(args) -> list[str]:
         out.append(f"routes_format={args.routes_format!r}: one of {', '.join(ROUTE_READERS)}")
     if replay == "PR2" and not getattr(args, "pr2_lr_scale", 0) > 0:
         out.append(f"pr2_lr_scale={getattr(args, 'pr2_lr_scale', None)!r}: a positive multiple of learning_rate")
-    if replay == "PR2" and getattr(args, "world_size", 1) > 1:
-        out.append(
-            f"replay='PR2' on {args.world_size} processes: PR2's predictor sits beside the model, outside its DDP / "
-            "FSDP wrapper, so each rank would train its own; not built: run PR2 on one process"
-        )
     rollout_dtype = getattr(args, "rollout_dtype", None)
     if rollout_dtype not in (None, "bfloat16"):
         out.append(f"rollout_dtype={rollout_dtype!r}: None or 'bfloat16'")

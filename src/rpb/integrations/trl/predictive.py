@@ -13,8 +13,12 @@ PR2 is R2 with its recorded routes chosen ahead of the drift:
 
 The predictor is a module beside the model: an optimizer group of its own at ``learning_rate x pr2_lr_scale``
 (the reference's ``alpha``), saved and restored with the optimizer in every checkpoint
-(``rpb_pr2_predictor.safetensors``), never in the model's weights. One process only: it sits outside any DDP /
-FSDP wrapper, so several ranks would train diverging predictors (refused by name in ``grpo_checks``).
+(``rpb_pr2_predictor.safetensors``), never in the model's weights.
+
+**Several processes.** The predictor sits outside the DDP / FSDP wrapper, so its gradients are not averaged for
+it: each rank's loss is its own tokens' sum over the ranks' token count (all-reduced), and the gradients are
+summed over the ranks before every optimizer step, so every rank takes the one step a single process would take on
+all the ranks' rows (a test against one process).
 """
 
 from __future__ import annotations
@@ -57,7 +61,17 @@ class PredictiveReplay:
             # the Trainer zeroes the model's gradients (model.zero_grad), never the optimizer's: the predictor's
             # would pile up over every step without this
             optimizer.register_step_post_hook(lambda *_: self.pr2.zero_grad(set_to_none=True))
+            if self.accelerator.num_processes > 1:
+                optimizer.register_step_pre_hook(lambda *_: self._sum_predictor_grads())
         return optimizer
+
+    def _sum_predictor_grads(self) -> None:
+        """The predictor's gradients summed over the ranks (each rank's loss is already its share of the whole)."""
+        import torch.distributed as dist
+
+        for param in self.pr2.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
@@ -104,4 +118,8 @@ class PredictiveReplay:
         live_BCLE, transform = self.replay.kept_BCLE, self.anchor.router_transform
         loss = predictor_loss(self.pr2, inputs[PR2_INPUTS], inputs[PR2_LOGITS], live_BCLE, count_BC, transform)
         self._metrics["train"]["pr2/loss"].append(float(loss.detach()))
-        self.accelerator.backward(loss / self.current_gradient_accumulation_steps)
+        share = 1.0
+        if self.accelerator.num_processes > 1:  # this rank's tokens over every rank's: the gradients are summed
+            mine = count_BC.sum().to(self.accelerator.device, torch.float64)
+            share = float(mine / self.accelerator.reduce(mine.clone(), reduction="sum").clamp_min(1))
+        self.accelerator.backward(loss * share / self.current_gradient_accumulation_steps)
