@@ -25,9 +25,11 @@ def test_an_engine_without_routes_under_r3_is_refused_unless_a_rollout_func_hand
     assert trainer_problems(args, None, None, has_rollout_func=True) == []
 
 
-def test_pr2_without_a_positive_lr_scale_is_refused():
+def test_pr2_without_a_positive_lr_scale_or_under_deepspeed_is_refused():
     args = SimpleNamespace(router_aux_loss_coef=0.0, loss_type="grpo", replay="PR2", routes_format="vllm",
                            rollout_dtype=None, bf16=False, fp16=False, pr2_lr_scale=0.0)  # fmt: skip
     assert any("pr2_lr_scale=0.0" in p for p in config_problems(args))
     args.pr2_lr_scale = 1000.0
     assert config_problems(args) == []
+    args.deepspeed = "ds_config.json"  # DeepSpeed steps its own optimizer: the predictor has no place in it
+    assert any("replay='PR2' with deepspeed" in p for p in config_problems(args))

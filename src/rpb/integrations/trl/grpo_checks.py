@@ -36,6 +36,11 @@ def config_problems(args) -> list[str]:
         out.append(f"routes_format={args.routes_format!r}: one of {', '.join(ROUTE_READERS)}")
     if replay == "PR2" and not getattr(args, "pr2_lr_scale", 0) > 0:
         out.append(f"pr2_lr_scale={getattr(args, 'pr2_lr_scale', None)!r}: a positive multiple of learning_rate")
+    if replay == "PR2" and getattr(args, "deepspeed", None):
+        out.append(
+            "replay='PR2' with deepspeed: DeepSpeed's engine builds and steps its own optimizer over the model's "
+            "parameters, where PR2's predictor (a module beside the model) has no place; not built"
+        )
     rollout_dtype = getattr(args, "rollout_dtype", None)
     if rollout_dtype not in (None, "bfloat16"):
         out.append(f"rollout_dtype={rollout_dtype!r}: None or 'bfloat16'")
