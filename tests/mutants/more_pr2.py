@@ -20,7 +20,7 @@ MUTANTS: tuple[Mutant, ...] = (
         function="PredictiveReplay._train_predictor",
         pattern=r'micro\["update"\] < 1',
         replacement='micro["update"] < 0',
-        tests=(f"{STALE}[PR2]",),
+        tests=(f"{STALE}[PR2-qwen3_moe]",),
     ),
     Mutant(
         name="pr2_predictor_logits_in_the_gates",
@@ -50,7 +50,7 @@ MUTANTS: tuple[Mutant, ...] = (
         function="RolloutRoutes._log_stale",
         pattern=r"count_BS = completion_BS & routed_positions\(against\)",
         replacement="count_BS = routed_positions(against)",
-        tests=(f"{STALE}[R2]",),
+        tests=(f"{STALE}[R2-qwen3_moe]",),
     ),
     Mutant(
         name="off_stale_figure_against_the_rollout",
@@ -60,7 +60,7 @@ MUTANTS: tuple[Mutant, ...] = (
         function="RolloutRoutes._log_stale",
         pattern=r'micro\["inputs"\]\.get\("rpb_first_routes"\)',
         replacement='micro["inputs"].get("rpb_rollout_routes")',
-        tests=(f"{STALE}[off]",),
+        tests=(f"{STALE}[off-qwen3_moe]",),
     ),
     Mutant(
         name="pr2_predictor_gradients_left_per_rank",

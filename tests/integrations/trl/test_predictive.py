@@ -1,6 +1,7 @@
 """PR2 and the stale figure in rpb's GRPOTrainer (TRL's, the installed release) on a tiny Qwen3-MoE:
 
-* ``routing/stale_mismatch/update_<i>`` against a hand count at every update index, for off, R2, R3 and PR2: the
+* ``routing/stale_mismatch/update_<i>`` against a hand count at every update index, for off, R2, R3 and PR2, on
+  Qwen3-MoE and DeepSeek-V3 (Moonlight): the
   live routers' own top-k (read by hooks of the test's own, before any replacement) against the routes the mode
   replays (``off``: the first training-side forward's own), over completion tokens x MoE layers;
 * PR2's predictor learns in a batch's later updates only, and a PR2 run resumed from a checkpoint equals the
@@ -88,10 +89,11 @@ def hand_stale(step: dict, key: str) -> tuple[int, int]:
     return differ, count
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "moonlight"])
 @pytest.mark.parametrize("replay", list(AGAINST))
-def test_the_stale_figure_is_the_hand_count_at_every_update_index(replay, tok, tmp_path):
-    trainer, anchor = trainer_for(tok, tmp_path, "sft", replay=replay, num_iterations=ITERATIONS, max_steps=6,
-                                  learning_rate=2e-2, rollout_dtype="bfloat16")  # fmt: skip
+def test_the_stale_figure_is_the_hand_count_at_every_update_index(replay, arch, tok, tmp_path):
+    trainer, anchor = trainer_for(tok, tmp_path, "sft", arch=arch, replay=replay, num_iterations=ITERATIONS,
+                                  max_steps=6, learning_rate=2e-2, rollout_dtype="bfloat16")  # fmt: skip
     randomize_routers(trainer.model, seed=5, scale=1.0)  # close scores: bf16 rollouts flip some choices
     watch = Watch(trainer)
     trainer.train()
