@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                         "logit-l2 or router-freeze (default kl-to-base)")  # fmt: skip
     parser.add_argument("--lambda", dest="lambda_", type=float, default=0.1, help="coefficient of the distance terms")
     parser.add_argument("--lbl-coef", type=float, default=0.01, help="coefficient of lbl")
-    parser.add_argument("--replay", default="R3", choices=["off", "R2", "R3"], help="routing replay (default R3)")
+    parser.add_argument("--replay", default="R3", choices=["off", "R2", "R3", "PR2"], help="routing replay (default R3)")
     parser.add_argument("--rollout-dtype", default="bfloat16", help="'bfloat16' or 'none' (training in float32)")
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = GRPOTrainer(model, vowel_reward, config, data, processing_class=tokenizer, anchor=anchor)
     trainer.train()
     for entry in trainer.state.log_history:
-        figures = {k: round(v, 4) for k, v in entry.items() if k.startswith("routing/rollout") or k == "loss"}
+        shown = ("routing/rollout", "routing/stale_mismatch", "pr2/")
+        figures = {k: round(v, 4) for k, v in entry.items() if k.startswith(shown) or k == "loss"}
         if figures:
             print(f"step {entry['step']}: {figures}")
     trainer.replay.remove()

@@ -286,6 +286,7 @@ def test_the_shipped_grpo_example_runs(tmp_path, capsys):
     assert example.main(["--output-dir", str(tmp_path), "--max-steps", "2"]) == 0
     printed = capsys.readouterr().out
     assert "step 1:" in printed and "routing/rollout_flip_rate" in printed
+    assert "step 2:" in printed and "routing/stale_mismatch" in printed  # the batch's second update
 
 
 def test_r2_forces_the_old_log_prob_forward_where_trl_would_skip_it(tok, tmp_path):
