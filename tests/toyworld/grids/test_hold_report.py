@@ -53,3 +53,20 @@ def test_the_report_reads_the_cells_and_the_retrained_sft_cells(tmp_path):
         assert (tmp_path / "report" / name).is_file(), name
     assert len(json.loads((tmp_path / "report" / "results.json").read_text())) == len(results)
     assert pytest.approx(0.2, abs=0.02) == sum(routing) / 9 - 0.5
+
+
+def test_the_claims_are_judged_again_against_the_retrained_sft_cells():
+    from rpb.toyworld.grids.hold import judge_hold
+    from rpb.toyworld.grids.hold_report import against_retrained
+
+    # the copied sft cells keep the routing as routing-kd does; the retrained ones do not: claim (1) turns
+    results = cells({"routing-kd": {"topk_overlap": 0.3}, "sft": {"topk_overlap": 0.3}})
+    retrained = [dict(r, retention={"topk_overlap": r["retention"]["topk_overlap"] - 0.3}, arm="sft")
+                 for r in results if r["arm"] == "sft"]  # fmt: skip
+    assert "(1)" not in [v.claim[:3] for v in judge_hold(results, ("math_post",)) if v.verdict == "reproduces"]
+    said = against_retrained(results, retrained, judge_hold, ("math_post",))
+    assert "9 of 9 `sft` cells replaced" in said
+    row = next(line for line in said.splitlines() if "(1) routing-kd keeps top-k overlap" in line)
+    assert "reproduces" in row
+    assert against_retrained(results, [], judge_hold, ("math_post",)) == ""
+    assert "1 of 9" in against_retrained(results, retrained[:1], judge_hold, ("math_post",))

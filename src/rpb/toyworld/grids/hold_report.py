@@ -5,7 +5,9 @@ their intervals), forest.svg (each arm minus ``sft``, ID and OOD) and claims.svg
 The revert figures come from the cells that carry them: the ``routing-kd`` cells, and the ``sft`` cells trained
 again for it (``revert/``; the grid's own ``sft`` cells are the ``full`` grid's, without a checkpoint). Those
 retrained cells' exact match is set beside the copied cells': the same training, so the same figures on the
-machine type that ran both."""
+machine type that ran both. The claims are judged again with the retrained cells in place of the copied ones
+(``against_retrained``): the copied cells may have run on another CPU than the grid's new arms, whose bits differ;
+the retrained ones ran beside them. A check printed under the grid's verdicts, never in their place."""
 
 from __future__ import annotations
 
@@ -100,6 +102,33 @@ def retrained_against_copied(results: list[dict], retrained: list[dict]) -> str:
     )
 
 
+def against_retrained(results: list[dict], retrained: list[dict], judge, sets: tuple[str, ...]) -> str:
+    """The claims judged again on ``results`` with each copied ``sft`` cell that has a retrained twin (same base,
+    set and seed) replaced by it; empty when none has one."""
+    twin = {(r.get("base", 0), r["set"], r["seed"]): r for r in retrained}
+    swapped, replaced, copied = [], 0, 0
+    for r in results:
+        key = (r.get("base", 0), r["set"], r["seed"])
+        if r["arm"] == "sft":
+            copied += 1
+            if key in twin:
+                replaced += 1
+                r = twin[key] | {"arm": "sft"}
+        swapped.append(r)
+    if not replaced:
+        return ""
+    return "\n".join(
+        [
+            "### The claims again, with the `sft` cells retrained beside the new arms in place of the copied ones",
+            "",
+            f"{replaced} of {copied} `sft` cells replaced (the rest copied); a check on the machine mix, not the "
+            "grid's verdict, which is the table above.",
+            "",
+            verdict_table(judge(swapped, sets), "claim (the grid's), against the retrained `sft` cells"),
+        ]
+    )
+
+
 def differences(results: list[dict], sets: tuple[str, ...], arms: tuple[str, ...]) -> list[Difference]:
     out = []
     for s in sets:
@@ -170,6 +199,7 @@ def write_hold_report(grid, studies: list, results: list[dict], out: Path, judge
         verdict_table(verdicts, "claim (the grid's)"),
         *(revert_table(_revert_sources(results, retrained, s), s) for s in grid.sets),
         retrained_against_copied(results, retrained),
+        against_retrained(results, retrained, judge, grid.sets),
         f"![overlap against OOD]({HOLD_FIGURE})",
         "",
     ]
