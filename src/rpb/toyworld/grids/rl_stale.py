@@ -63,10 +63,6 @@ PILOT_SEED, PILOT_BASE = 41, 0
 PILOT: dict = {"pressure": (4, 2, 5e-5), "pr2_lr_scale": 50.0}
 
 
-def _pressure() -> tuple[int, int, float]:
-    return tuple(PILOT["pressure"]) if PILOT else PRESSURES[0]
-
-
 def _arms(pr2_scale: float, iterations: int) -> tuple[RLArm, ...]:
     """The grid's arms, every one at the chosen number of iterations per generation batch."""
     it = (("num_iterations", iterations),)
@@ -147,12 +143,12 @@ CLAIM_PAIRS = (
 
 
 def _grid() -> RLGrid:
-    updates, iterations, lr = _pressure()
+    updates, iterations, lr = PILOT["pressure"]
     recipe = RLRecipe(steps_per_generation=updates, lr=lr)
     return RLGrid(
         "rl-stale",
         ("math_post",),
-        _arms(float(PILOT.get("pr2_lr_scale", 1e3)), iterations),
+        _arms(PILOT["pr2_lr_scale"], iterations),
         SEEDS,
         BASES,
         STUDY_POST,
