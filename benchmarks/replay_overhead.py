@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from rpb.adapters import find_moe_layers, get_adapter
-from rpb.anchors.transform import family_transform
 from rpb.models import load_causal_lm, load_tokenizer
+from rpb.prior import family_transform
 from rpb.replay import GenerationRecorder, RoutePredictor, RouteReplay, batch_routes, predictor_loss, rollout_routes
 from rpb.toyworld.world.tasks import sample
 

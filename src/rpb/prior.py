@@ -51,6 +51,13 @@ def router_probs(logits_TE: torch.Tensor, transform: str) -> torch.Tensor:
     raise ValueError(f"unknown router transform {transform!r}; choose one of {ROUTER_TRANSFORMS}")
 
 
+def family_transform(score_function: str) -> str:
+    """The transform of a family whose routers score experts with ``score_function``: a sigmoid router's
+    scores are independent per expert, so normalising them is the distribution it routes by; softmax
+    otherwise."""
+    return "sigmoid-normalized" if score_function == "sigmoid" else "softmax"
+
+
 def span_sums(probs_BTE: torch.Tensor, span_BT: torch.Tensor) -> torch.Tensor:
     """Per-row, per-span sums of token probabilities: ``sums_BSE`` (float32).
 

@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from rpb.adapters import get_adapter
-from rpb.anchors.transform import family_transform, run_transform
+from rpb.anchors.transform import run_transform
+from rpb.prior import family_transform
 
 #: the families whose routers score experts with a sigmoid (their vendors' configs: scoring_func /
 #: score_function "sigmoid"); every other shipped family scores with a softmax

@@ -39,9 +39,9 @@ from rpb.anchors.context import TokenContext
 from rpb.anchors.methods import Method, RouterState, get_method
 from rpb.anchors.prior_routing import PriorRouting
 from rpb.anchors.stats import LayerStats
-from rpb.anchors.transform import family_transform
 from rpb.errors import ArgumentError
 from rpb.observe.hooks import Hooks, RouterCall, on_router_calls
+from rpb.prior import family_transform
 from rpb.routing import RouterSpec, combine_weights, select_with_groups
 
 

@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import logging
 
+from rpb.prior import family_transform
+
 logger = logging.getLogger("rpb.anchors")
-
-
-def family_transform(score_function: str) -> str:
-    """The transform of a family whose routers score experts with ``score_function``: a sigmoid router's
-    scores are independent per expert, so normalising them is the distribution it routes by; softmax
-    otherwise."""
-    return "sigmoid-normalized" if score_function == "sigmoid" else "softmax"
 
 
 def run_transform(override: str | None, prior: str | None, score_function: str) -> str:

@@ -24,16 +24,15 @@ import numpy as np
 import torch
 
 from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
-from rpb.anchors.transform import family_transform
 from rpb.collect.collector import plan_batches
 from rpb.collect.rows import KEEP_TOKENS, label_range, scan_rows
 from rpb.data import ChatTemplate, Example
 from rpb.fileio import write_text_atomic
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
-from rpb.prior import router_probs
+from rpb.observe.capture import RouterCapture
+from rpb.prior import family_transform, router_probs
 from rpb.replay.record import GenerationRecorder
 from rpb.replay.routefile import save_routes
-from rpb.teacher.routing import RouterCapture
 
 
 def vllm_dtype(num_experts: int) -> np.dtype:

@@ -36,10 +36,9 @@ from torch.nn import functional
 from rpb.adapters import RouterFacts, find_moe_layers, get_adapter, router_spec
 from rpb.adapters.hf import expert_bias_of
 from rpb.anchors import AnchorHandle
-from rpb.anchors.transform import family_transform
 from rpb.errors import ArgumentError
 from rpb.observe.hooks import Hooks, RouterCall, on_model_inputs, on_router_calls
-from rpb.prior import ROUTER_TRANSFORMS, router_probs
+from rpb.prior import ROUTER_TRANSFORMS, family_transform, router_probs
 from rpb.routing import select
 
 FIGURES = ("topk_overlap", "kl", "load_cv", "max_share", "dead_fraction", "entropy")

@@ -30,7 +30,8 @@ from torch import nn
 
 from rpb.adapters import RouterFacts, find_moe_layers, routers_sha256
 from rpb.errors import ArgumentError
-from rpb.teacher.routing import BaseRouting, RouterCapture
+from rpb.observe.capture import RouterCapture
+from rpb.teacher.routing import BaseRouting
 
 logger = logging.getLogger("rpb.teacher")
 

@@ -1,4 +1,5 @@
-"""One step's base routing, as the anchor's hook reads it, and the hooks that capture it from a base forward.
+"""One step's base routing, as the anchor's hook reads it (a base forward captures it with
+``rpb.observe.capture.RouterCapture``).
 
 Shape legend: T = the step's tokens (flattened, as the routers see them), L = MoE layers, E = experts, K = top-k,
 B = rows, V = vocabulary.
@@ -6,13 +7,9 @@ B = rows, V = vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
-
-from rpb.adapters import MoELayer
-from rpb.observe.hooks import Hooks, RouterCall, on_router_calls
 
 
 @dataclass
@@ -40,34 +37,3 @@ class BaseRouting:
     def nbytes(self) -> int:
         tensors = [*(self.logits_LTE or ()), self.ids_LTK, self.probs_LTK, self.output_BTV]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-class _Stop(Exception):
-    """Raised by the last router's hook: the rest of the base forward would compute nothing the step reads."""
-
-
-class RouterCapture:
-    """Each MoE layer's router logits of one forward (float32, detached); with ``stop_early`` the forward ends at the
-    last MoE router (``run`` catches it)."""
-
-    def __init__(self, layers: list[MoELayer], stop_early: bool):
-        self.layers = layers
-        self.stop_early = stop_early
-        self.logits: dict[int, torch.Tensor] = {}
-
-    def _hook(self, call: RouterCall) -> None:
-        logits_TE, _, _ = call.read()
-        self.logits[call.pos] = logits_TE.detach().reshape(-1, logits_TE.shape[-1]).float()
-        if self.stop_early and call.pos == len(self.layers) - 1:
-            raise _Stop
-
-    def run(self, forward) -> tuple[list[torch.Tensor], object]:
-        """``(logits_LTE, output)``: ``forward()`` under the hooks; ``output`` None when it stopped early."""
-        self.logits = {}
-        output = None
-        with Hooks.join(on_router_calls(self.layers, self._hook)), contextlib.suppress(_Stop):
-            output = forward()
-        missing = [self.layers[p].name for p in range(len(self.layers)) if p not in self.logits]
-        if missing:
-            raise RuntimeError(f"the base forward never ran the routers {missing}: the model does not use them")
-        return [self.logits[p] for p in range(len(self.layers))], output

@@ -93,14 +93,13 @@ from rpb.anchors.config import AnchorConfig
 from rpb.anchors.context import TokenContext
 from rpb.anchors.methods import Method, RouterState
 from rpb.anchors.prior_routing import PriorRouting
-from rpb.anchors.transform import family_transform
 from rpb.errors import RpbError
 from rpb.integrations.megatron.figures import RoutingFigures
 from rpb.integrations.megatron.layout import router_rows
 
 # topk_routing_function is re-exported: install.py imports it from here
 from rpb.integrations.megatron.topk_hook import forced_topk, megatron_select, topk_routing_function  # noqa: F401
-from rpb.prior import STRUCTURAL
+from rpb.prior import STRUCTURAL, family_transform
 from rpb.teacher.routing import BaseRouting
 
 
