@@ -54,7 +54,10 @@ FIGURES = (
 def update_index(step: int, generate_every: int, accumulation: int) -> int:
     """How many optimizer updates the policy has taken since micro-batch ``step``'s generation batch was made
     (TRL generates at every ``generate_every``-th micro-batch and steps the optimizer after every
-    ``accumulation``-th): 0 while the policy is still the one that generated it, i after i updates."""
+    ``accumulation``-th): 0 while the policy is still the one that generated it, i after i updates. The Trainer
+    also steps at an epoch's end: an epoch whose micro-batches are not a multiple of ``accumulation`` would shift
+    the count by one there (TRL's generation batches, multiples of ``steps_per_generation``, keep it aligned when
+    ``steps_per_generation`` is a multiple of ``accumulation``, its default)."""
     start = step - step % generate_every
     return step // accumulation - start // accumulation
 
