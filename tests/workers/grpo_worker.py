@@ -2,11 +2,11 @@
 monitor on a tiny DeepSeek-V3 (Moonlight) model, learning rate 0, greedy float32 generation, the same 8 rollouts
 a step in all (4 prompts x 2 generations), split over the ranks.
 
-``python grpo_worker.py OUT`` (or under torchrun): each rank writes ``OUT/rank<r>.json``: the positions whose
-replayed experts it checked against its own micro-batches' routes (a hook of its own on each experts module)
-and how many differed; rank 0 adds the log history. ``python grpo_worker.py OUT pr2``: the same with PR2 (its
-predictor started from seeded weights, its learning rate 0 as the model's), each rank adding the predictor's
-gradients as the optimizer step sees them (after the ranks' sum)."""
+``python grpo_worker.py OUT`` (or under torchrun) runs it twice in one launch (the launches are the cost), with R3
+and with PR2 (its predictor started from seeded weights, its learning rate 0 as the model's). Each rank writes
+``OUT/<mode>/rank<r>.json``: the positions whose replayed experts it checked against its own micro-batches' routes
+(a hook of its own on each experts module) and how many differed, and under PR2 the predictor's gradients as the
+optimizer step sees them (after the ranks' sum); rank 0 adds the log history."""
 
 from __future__ import annotations
 
@@ -33,7 +33,21 @@ def reward(completions, **kwargs):
     return [float(c.count("a") + c.count("e")) for c in completions]
 
 
-def main(out: Path, pr2: bool = False) -> None:
+def main(out: Path) -> None:
+    for mode in ("R3", "PR2"):
+        (out / mode).mkdir(exist_ok=True)
+        one_run(out / mode, pr2=mode == "PR2")
+    if torch.distributed.is_initialized():
+        # gloo's threads outliving the interpreter abort the process at exit ("terminate called without an
+        # active exception") once in a while: every rank's file is written, so meet and leave at once
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def one_run(out: Path, pr2: bool) -> None:
     torch.manual_seed(0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -94,15 +108,9 @@ def main(out: Path, pr2: bool = False) -> None:
     if rank == 0:
         result["log_history"] = trainer.state.log_history
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
-        # gloo's threads outliving the interpreter abort the process at exit ("terminate called without an
-        # active exception") once in a while: every rank's file is written, so meet and leave at once
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    trainer.replay.remove()
+    anchor.remove()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), pr2=sys.argv[2:] == ["pr2"])
+    main(Path(sys.argv[1]))

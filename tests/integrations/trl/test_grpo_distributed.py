@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.test_train_distributed import TORCHRUN, run
@@ -18,12 +19,24 @@ from tests.test_train_distributed import TORCHRUN, run
 WORKER = Path(__file__).resolve().parents[2] / "workers" / "grpo_worker.py"
 
 
-def test_two_processes_replay_their_own_rows_and_log_what_one_process_logs(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir()
-    two.mkdir()
-    run([sys.executable, str(WORKER), str(one)])
-    run([*TORCHRUN, str(WORKER), str(two)])
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> list:
+    """One launch on one process and one on two (torchrun), each running R3 then PR2: (folder, the launch) each."""
+    one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+    return [(one, run([sys.executable, str(WORKER), str(one)], check=False)),
+            (two, run([*TORCHRUN, str(WORKER), str(two)], check=False))]  # fmt: skip
+
+
+def folders(launched, mode: str) -> tuple[Path, Path]:
+    """The one-process and two-process folders of ``mode``; a launch that failed fails each test that reads it (in
+    the test, not in the fixture: a failing fixture reads as an error, not as a failed check)."""
+    for _, done in launched:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return tuple(folder / mode for folder, _ in launched)
+
+
+def test_two_processes_replay_their_own_rows_and_log_what_one_process_logs(launched):
+    one, two = folders(launched, "R3")
     single = json.loads((one / "rank0.json").read_text())
     ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in ranks] == [2, 2] and single["world"] == 1
@@ -42,12 +55,8 @@ def test_two_processes_replay_their_own_rows_and_log_what_one_process_logs(tmp_p
             assert abs(step_one[key] - step_two[key]) <= 1e-6, key
 
 
-def test_pr2_on_two_processes_takes_the_one_processs_predictor_step(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir()
-    two.mkdir()
-    run([sys.executable, str(WORKER), str(one), "pr2"])
-    run([*TORCHRUN, str(WORKER), str(two), "pr2"])
+def test_pr2_on_two_processes_takes_the_one_processs_predictor_step(launched):
+    one, two = folders(launched, "PR2")
     single = json.loads((one / "rank0.json").read_text())
     ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["checked"] > 0 and r["differed"] == 0 for r in ranks) and single["differed"] == 0
