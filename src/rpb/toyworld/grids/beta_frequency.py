@@ -38,6 +38,7 @@ from rpb.toyworld.study.stats import (
     holm,
     interval,
     minimal_detectable_difference,
+    not_run,
     paired_differences,
     points,
     two_stage_bootstrap,
@@ -128,7 +129,7 @@ def judge_frequency(results: list[dict]) -> list[Verdict]:
             for margin in (MARGINS[(beta, metric)], ASKED_MARGIN):
                 claim = f"frequency ≈ probability, beta {beta:g}, {name}, margin ±{margin:g}"
                 if not d:
-                    verdicts.append(Verdict(claim, math.nan, (math.nan, math.nan), math.nan, "not run"))
+                    verdicts.append(not_run(claim))
                     continue
                 note = f"{sum(map(len, d.values()))} pairs; detectable difference {detectable(d):.1f}"
                 verdicts.append(equivalent(claim, d, margin, note))

@@ -47,7 +47,15 @@ from typing import ClassVar
 
 from rpb.toyworld.study.grid import BASES, SEEDS, STUDY_POST, Arm, Grid
 from rpb.toyworld.study.paired import PairedStudy
-from rpb.toyworld.study.stats import Verdict, equivalent, greater, holm, paired_differences, threshold_above
+from rpb.toyworld.study.stats import (
+    Verdict,
+    equivalent,
+    greater,
+    holm,
+    not_run,
+    paired_differences,
+    threshold_above,
+)
 from rpb.toyworld.world.generators import DOMAINS, POST_SETS
 from rpb.toyworld.world.post import eval_tasks, mixing_tasks, train_cell, write_rows
 
@@ -229,10 +237,6 @@ class HoldStudy(PairedStudy):
         ]
 
 
-def _not_run(claim: str) -> Verdict:
-    return Verdict(claim, math.nan, (math.nan, math.nan), math.nan, "not run")
-
-
 def judge_hold(results: list[dict], sets: tuple[str, ...]) -> list[Verdict]:
     """The grid's claims (module doc) on every set, Holm across claims 1-5, 7 and 8; claim 6 after them, unadjusted."""
     arms = {r["arm"] for r in results}
@@ -241,9 +245,9 @@ def judge_hold(results: list[dict], sets: tuple[str, ...]) -> list[Verdict]:
 
     def judged(rule, claim, arm, reference, post_set, metric, *args):
         if not {arm, reference} <= arms:
-            return _not_run(claim)
+            return not_run(claim)
         d = paired_differences(results, post_set, arm, reference, metric)
-        return rule(claim, d, *args) if d else _not_run(claim)
+        return rule(claim, d, *args) if d else not_run(claim)
 
     for s in sets:
         # fmt: skip below: one claim a row, its rule, arms, metric and margin side by side

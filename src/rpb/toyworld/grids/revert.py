@@ -53,7 +53,7 @@ from rpb.toyworld.study.grid import BASES, SEEDS, STUDY_POST, Arm, Conduct
 from rpb.toyworld.study.paired import SHIPPED_RESULTS
 from rpb.toyworld.study.report import write_across
 from rpb.toyworld.study.rl import RLGrid, RLStudy
-from rpb.toyworld.study.stats import Verdict, greater, holm, interval, two_stage_bootstrap
+from rpb.toyworld.study.stats import Verdict, greater, holm, interval, not_run, two_stage_bootstrap
 from rpb.toyworld.study.tables import bases_table, machine_mix, mean_sd
 from rpb.toyworld.world.generators import DOMAINS
 from rpb.toyworld.world.post import PostRecipe, eval_tasks, write_rows
@@ -131,7 +131,7 @@ def judge_revert(results: list[dict]) -> list[Verdict]:
     for claim, domains, direction in claims:
         d = changes(results, "sft", domains)
         if not d:
-            verdicts.append(Verdict(claim, float("nan"), (float("nan"),) * 2, float("nan"), "not run"))
+            verdicts.append(not_run(claim))
             continue
         verdicts.append(greater(claim, d, direction, f"{sum(map(len, d.values()))} cells, ΔNLL nats/token"))
     return holm(verdicts)

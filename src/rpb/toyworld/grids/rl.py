@@ -41,6 +41,7 @@ from rpb.toyworld.study.stats import (
     extreme,
     greater,
     holm,
+    not_run,
     paired_differences,
     relative_differences,
 )
@@ -79,13 +80,13 @@ def judge_rl(results: list[dict], sets: tuple[str, ...] = ("math_post",)) -> lis
     def ran(verdict_of, claim, diffs, *args):
         if diffs:
             return verdict_of(claim, diffs, *args)
-        return Verdict(claim, math.nan, (math.nan, math.nan), math.nan, "not run")
+        return not_run(claim)
 
     pairwise = {a: d(PLAIN, a, "start_topk_overlap") for a in ANCHORED if a in arms}
     out = [
         extreme("1. plain GRPO moves the routing from its start most (top-k overlap lowest)", pairwise, -1)
         if pairwise
-        else Verdict("1. plain GRPO moves the routing most", math.nan, (math.nan,) * 2, math.nan, "not run"),
+        else not_run("1. plain GRPO moves the routing most"),
         ran(greater, "2. R3 lowers the flip rate", d("grpo + R3", PLAIN, "flip_rate"), -1),
         ran(equivalent, "3. R3 ≈ plain GRPO in domain (±3)", d("grpo + R3", PLAIN, "id"), 3.0),
         ran(greater, "4. kl-to-base keeps OOD better than plain GRPO", d("grpo + kl-to-base", PLAIN, "ood"), +1),

@@ -46,7 +46,7 @@ from pathlib import Path
 from rpb.toyworld.grids.rl import GSPO, collapsed
 from rpb.toyworld.study.grid import BASES, SEEDS, STUDY_POST
 from rpb.toyworld.study.rl import RLGrid, RLStudy
-from rpb.toyworld.study.stats import Verdict, equivalent, greater, holm, paired_differences
+from rpb.toyworld.study.stats import Verdict, equivalent, greater, holm, not_run, paired_differences
 from rpb.toyworld.world.rl import RLArm, RLRecipe
 
 PLAIN = "grpo"
@@ -80,10 +80,6 @@ def _arms(pr2_scale: float, iterations: int) -> tuple[RLArm, ...]:
     )
 
 
-def _not_run(claim: str) -> Verdict:
-    return Verdict(claim, math.nan, (math.nan, math.nan), math.nan, "not run")
-
-
 def collapses(results: list[dict], post_set: str, arm: str) -> tuple[int, int]:
     """(cells that collapsed, cells) of ``arm`` on ``post_set``, by the collapse verdict in each cell's summary."""
     cells = [r for r in results if r["set"] == post_set and r["arm"] == arm]
@@ -113,9 +109,9 @@ def judge_rl_stale(results: list[dict], sets: tuple[str, ...] = ("math_post",)) 
 
     def judged(rule, claim, arm, reference, metric, *args):
         if not {arm, reference} <= arms:
-            return _not_run(claim)
+            return not_run(claim)
         d = paired_differences(results, s, arm, reference, metric)
-        return rule(claim, d, *args) if d else _not_run(claim)
+        return rule(claim, d, *args) if d else not_run(claim)
 
     # fmt: skip below: one claim a row, its rule, arms, metric and margin side by side
     family = [
@@ -123,7 +119,7 @@ def judge_rl_stale(results: list[dict], sets: tuple[str, ...] = ("math_post",)) 
                "stale_mismatch", -1),
         judged(greater, "(3) R3 lowers the log-probability gap", "grpo + R3", PLAIN, "logp_gap", -1),
         fisher_more("(4) plain GRPO collapses more than R3", collapses(results, s, PLAIN),
-                    collapses(results, s, "grpo + R3")) if {PLAIN, "grpo + R3"} <= arms else _not_run("(4)"),
+                    collapses(results, s, "grpo + R3")) if {PLAIN, "grpo + R3"} <= arms else not_run("(4)"),
         judged(equivalent, f"(5) GSPO ≈ R3 in domain (±{ID_MARGIN:g})", "gspo", "grpo + R3", "id", ID_MARGIN),
         judged(greater, "(6) GRPO (beta) + routing-kd keeps the top-k overlap with the start",
                "grpo + beta + routing-kd", "grpo + beta", "start_topk_overlap", 1),

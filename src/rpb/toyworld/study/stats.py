@@ -138,6 +138,11 @@ class Verdict:
     p_t: float = math.nan
 
 
+def not_run(claim: str) -> Verdict:
+    """The verdict of a claim whose arms the grid did not run (no estimate, no p)."""
+    return Verdict(claim, math.nan, (math.nan, math.nan), math.nan, "not run")
+
+
 def greater(claim: str, diffs: dict[int, list[float]], direction: int = 1, note: str = "") -> Verdict:
     """A ``>`` claim on ``mean(diffs)``, in the paper's ``direction`` (+1: above 0, -1: below)."""
     boot = two_stage_bootstrap(diffs)
