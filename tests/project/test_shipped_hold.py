@@ -1,7 +1,6 @@
-"""The ``hold`` grid's shipped results (docs/results/hold): each shipped base pins today's grid on the shipped base
-and holds every cell, selection run and retrained ``sft`` cell; and the report is what today's code makes of the
-shipped cells, figures byte for byte. The grid ships base by base: until base 2 is shipped the report is over the
-bases shipped so far, and no verdict of it is the grid's (docs/results/hold/tables.md says which bases)."""
+"""The ``hold`` grid's shipped results (docs/results/hold): every base whole, pinning today's grid on the shipped
+base and holding every cell, selection run and retrained ``sft`` cell; and the report is what today's code makes of
+the shipped cells, figures byte for byte."""
 
 from __future__ import annotations
 
@@ -24,11 +23,12 @@ def _base_folders() -> list[Path]:
     return sorted(p for p in SHIPPED.glob("base*") if p.is_dir())
 
 
-def test_each_shipped_base_pins_todays_grid_and_holds_every_cell():
+def test_every_base_is_shipped_whole_pins_todays_grid_and_holds_every_cell():
     folders = _base_folders()
-    assert folders and [p.name for p in folders] == [f"base{b}" for b in HOLD_GRID.bases[: len(folders)]]
+    assert [p.name for p in folders] == [f"base{b}" for b in HOLD_GRID.bases]
+    assert not (SHIPPED / "unfinished").exists()
     shipped_bases = json.loads((ROOT / "bases" / "bases.json").read_text())
-    for folder, b in zip(folders, HOLD_GRID.bases, strict=False):
+    for folder, b in zip(folders, HOLD_GRID.bases, strict=True):
         pinned = json.loads((folder / "grid.json").read_text())
         assert pinned["grid"] == json.loads(json.dumps(pinned_fields(HOLD_GRID)))
         assert pinned["base_sha256"] == shipped_bases[f"base{b}"]["weights_sha256"]
@@ -36,6 +36,10 @@ def test_each_shipped_base_pins_todays_grid_and_holds_every_cell():
         assert len(cells) == len(HOLD_GRID.sets) * len(HOLD_GRID.arms) * len(HOLD_GRID.seeds)
         retrained = list((folder / "revert").glob("*/sft/*/result.json"))
         assert len(retrained) == len(HOLD_GRID.sets) * len(HOLD_GRID.seeds)
+        selection = [json.loads(p.read_text()) for p in (folder / "selection").glob("*/result.json")]
+        assert len(selection) == sum(len(w) for w in HOLD_GRID.candidates.values())
+        chosen = json.loads((folder / "selection.json").read_text())["chosen"]
+        assert {m: chosen[m] in w for m, w in HOLD_GRID.candidates.items()} == dict.fromkeys(HOLD_GRID.candidates, True)
 
 
 def test_the_shipped_tables_are_the_report_of_the_shipped_cells(tmp_path):
