@@ -30,8 +30,8 @@ EXCEPTIONS = (
 )
 GRIDS = ("headline", "beta", "full")
 #: the grids with a line in the README's verdict paragraph: the study's, the frequency-prior grid, the
-#: reinforcement-learning grid and the revert grid
-VERDICT_GRIDS = (*GRIDS, "beta-frequency", "rl", "revert")
+#: reinforcement-learning grid, the revert grid and the hold grid
+VERDICT_GRIDS = (*GRIDS, "beta-frequency", "rl", "revert", "hold")
 
 
 def sections(text: str, level: str) -> dict[str, str]:
@@ -194,7 +194,7 @@ def verdict_line(grid: str, report: str) -> str:
     body = sections(report, "###")
     claims = table_rows(body[next(t for t in body if t.startswith(("The paper's claims", "The claims")))])
     holm = Counter(r["Holm-adjusted"] for r in claims)
-    judged = len(claims) - holm["not run"]
+    judged = len(claims) - holm["not run"] - holm["outside Holm"]  # the hold grid's (6) is reported, not counted
     if not judged:
         return f"`{grid}` "
     return (f"of {judged} claims judged, {holm['reproduces']} reproduce, {holm['contradicted']} are contradicted, "
