@@ -1,9 +1,8 @@
-"""The ``rl-stale`` grid's shipped results (docs/results/rl-stale): each shipped base whole, pinning today's grid
-on the shipped base; each cell started from its base's recorded start, trained as the ``rl`` grid's start is (bit
-for bit on the same machine type, threads and torch build); every cell records the stale figure at
-each later update; and the report is what today's code makes of the shipped cells, figures byte for byte. The
-grid ships base by base: until base 2 is shipped the report is over the bases shipped so far, and no verdict of it
-is the grid's (its tables.md says which bases)."""
+"""The ``rl-stale`` grid's shipped results (docs/results/rl-stale): every base whole, pinning today's grid on the
+shipped base; each cell started from its base's recorded start, trained as the ``rl`` grid's start is (bit for bit
+on the same machine type, threads and torch build); every cell records the stale figure at each later update; the
+report is what today's code makes of the shipped cells, figures byte for byte; and docs/rl.md quotes each claim's
+verdict as the report computes it."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from rpb.toyworld.study.figures import CLAIMS
 from rpb.toyworld.study.grid import pinned_fields
 from rpb.toyworld.study.rl_figures import RL_FIGURE
 from rpb.toyworld.study.shipping import report_shipped, shipped_results, shipped_studies
+from tests.project.test_prose_figures import flat, sections, table_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
@@ -28,14 +28,15 @@ def _base_folders() -> list[Path]:
     return sorted(p for p in SHIPPED.glob("base*") if p.is_dir())
 
 
-def test_each_shipped_base_is_whole_and_pins_todays_grid():
+def test_every_base_is_shipped_whole_and_pins_todays_grid():
     folders = _base_folders()
-    assert folders and [p.name for p in folders] == [f"base{b}" for b in GRID.bases[: len(folders)]]
+    assert [p.name for p in folders] == [f"base{b}" for b in GRID.bases]
+    assert not (SHIPPED / "unfinished").exists()
     pilot = json.loads((SHIPPED / "pilot.json").read_text())
     assert (tuple(pilot["pressure"]), pilot["pr2_lr_scale"]) == (PILOT["pressure"], PILOT["pr2_lr_scale"])
     shipped_bases = json.loads((ROOT / "bases" / "bases.json").read_text())
     updates = PILOT["pressure"][0] * PILOT["pressure"][1]
-    for folder, b in zip(folders, GRID.bases, strict=False):
+    for folder, b in zip(folders, GRID.bases, strict=True):
         pinned = json.loads((folder / "grid.json").read_text())
         assert pinned["grid"] == json.loads(json.dumps(pinned_fields(GRID)))
         assert pinned["base_sha256"] == shipped_bases[f"base{b}"]["weights_sha256"]
@@ -52,7 +53,7 @@ def test_each_shipped_base_is_whole_and_pins_todays_grid():
         assert all(s["part"] == "validation" and s["seed"] == GRID.seeds[0] for s in selection)
 
 
-@pytest.mark.parametrize("b", [int(p.name.removeprefix("base")) for p in _base_folders()])
+@pytest.mark.parametrize("b", GRID.bases)
 def test_each_start_is_trained_as_the_rl_grids_start(b):
     """The ``rl`` grid's start recipe and seed; on the same machine type, threads and torch build its very weights
     (another CPU rounds differently: the rl grid's starts ran on AMD EPYC, these may not)."""
@@ -65,16 +66,34 @@ def test_each_start_is_trained_as_the_rl_grids_start(b):
 
 def test_the_shipped_tables_are_the_report_of_the_shipped_cells(tmp_path):
     out = tmp_path / "rl-stale"
-    shutil.copytree(SHIPPED, out, ignore=shutil.ignore_patterns("unfinished"))
-    figures = [f for f in (RL_FIGURE, CLAIMS, "stale.svg") if (out / f).is_file()]
-    assert "stale.svg" in figures
+    shutil.copytree(SHIPPED, out)
+    figures = (RL_FIGURE, CLAIMS, "stale.svg")
     for f in figures:  # the report must make them, not find them
         (out / f).unlink()
     sts = shipped_studies(GRID, out)
     results = [r for st in sts for r in shipped_results(st)]
-    assert len(results) == len(_base_folders()) * len(GRID.arms) * len(GRID.seeds)
+    assert len(results) == len(GRID.bases) * len(GRID.arms) * len(GRID.seeds)
     assert report_shipped(GRID, out) == (SHIPPED / "tables.md").read_text()
     for f in ("results.json", "bases.json"):
         assert json.loads((out / f).read_text()) == json.loads((SHIPPED / f).read_text())
     for f in figures:
         assert (out / f).read_bytes() == (SHIPPED / f).read_bytes(), f
+
+
+def test_the_results_page_shows_the_figures_and_rl_md_quotes_every_verdict():
+    """The grid's results page (tables.md, in the docs' navigation) shows its two figures; docs/rl.md states each
+    claim's verdict by rule and after Holm's adjustment, as the report computes them."""
+    tables = (SHIPPED / "tables.md").read_text()
+    for f in (RL_FIGURE, "stale.svg"):
+        assert f"]({f})" in tables and (SHIPPED / f).is_file(), f
+    assert "results/rl-stale/tables.md" in (ROOT / "mkdocs.yml").read_text()
+    body = sections(tables, "###")
+    claims = table_rows(body[next(t for t in body if t.startswith("The claims"))])
+    assert len(claims) == 6
+    quoted = flat((ROOT / "docs" / "rl.md").read_text())
+    for row in claims:
+        number = row["claim (fixed before the grid ran, with its margin)"].split(")")[0] + ")"
+        holm = row["Holm-adjusted"]  # claim (2) is reported outside the family, so it has no adjusted verdict
+        after = holm if holm == "outside Holm" else f"{holm} after Holm"
+        said = f"claim {number}: {row['verdict']} by rule, {after}"
+        assert flat(said) in quoted, said
