@@ -31,7 +31,7 @@ EXCEPTIONS = (
 GRIDS = ("headline", "beta", "full")
 #: the grids with a line in the README's verdict paragraph: the study's, the frequency-prior grid, the
 #: reinforcement-learning grid, the revert grid and the hold grid
-VERDICT_GRIDS = (*GRIDS, "beta-frequency", "rl", "revert", "hold")
+VERDICT_GRIDS = (*GRIDS, "beta-frequency", "rl", "revert", "hold", "rl-stale")
 
 
 def sections(text: str, level: str) -> dict[str, str]:
