@@ -47,6 +47,12 @@ def table_rows(body: str) -> list[dict[str, str]]:
     return [dict(zip(header, [c.strip() for c in ln.strip("|").split("|")], strict=True)) for ln in lines[2:]]
 
 
+def claim_rows(report: str) -> list[dict[str, str]]:
+    """A grid report's table of claims (its first "### The claims" or "### The paper's claims" section), row by row."""
+    body = sections(report, "###")
+    return table_rows(body[next(t for t in body if t.startswith(("The paper's claims", "The claims")))])
+
+
 def rows(title: str) -> list[dict[str, str]]:
     """A table of the headline grid's tables.md, row by row."""
     return table_rows(sections(TABLES, "###")[title])
@@ -191,8 +197,7 @@ def verdict_line(grid: str, report: str) -> str:
     """The README's line on one grid: its claims' verdicts after Holm's adjustment, counted from its report."""
     from collections import Counter
 
-    body = sections(report, "###")
-    claims = table_rows(body[next(t for t in body if t.startswith(("The paper's claims", "The claims")))])
+    claims = claim_rows(report)
     holm = Counter(r["Holm-adjusted"] for r in claims)
     judged = len(claims) - holm["not run"] - holm["outside Holm"]  # the hold grid's (6) is reported, not counted
     if not judged:

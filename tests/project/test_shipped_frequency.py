@@ -15,7 +15,7 @@ from rpb.toyworld.prior_kinds import table
 from rpb.toyworld.study.figures import CLAIMS, FOREST
 from rpb.toyworld.study.grid import pinned_fields
 from rpb.toyworld.study.shipping import report_shipped, shipped_results, shipped_studies
-from tests.project.test_prose_figures import flat, sections, table_rows, unicode_minus
+from tests.project.test_prose_figures import claim_rows, flat, unicode_minus
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
@@ -68,8 +68,7 @@ def test_the_results_page_shows_the_figure_and_collect_md_quotes_every_verdict()
     tables = (SHIPPED / "tables.md").read_text()
     assert f"]({FOREST})" in tables and (SHIPPED / FOREST).is_file()
     assert f"results/{FREQUENCY_GRID.name}/tables.md" in (ROOT / "mkdocs.yml").read_text()
-    body = sections(tables, "###")
-    claims = table_rows(body[next(t for t in body if t.startswith("The claims"))])
+    claims = claim_rows(tables)
     assert len(claims) == 8
     quoted = flat((ROOT / "docs" / "collect.md").read_text())
     for row in claims:

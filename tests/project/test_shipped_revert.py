@@ -15,7 +15,7 @@ from rpb.toyworld.grids.revert import REVERT_FIGURE, shipped_cell
 from rpb.toyworld.study.figures import CLAIMS
 from rpb.toyworld.study.grid import pinned_fields
 from rpb.toyworld.study.shipping import report_shipped, shipped_results, shipped_studies
-from tests.project.test_prose_figures import flat, sections, table_rows
+from tests.project.test_prose_figures import claim_rows, flat, sections, table_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
@@ -87,8 +87,7 @@ def test_retention_md_quotes_every_verdict_and_the_site_shows_the_report():
     tables = (SHIPPED / "tables.md").read_text()
     assert f"]({REVERT_FIGURE})" in tables
     assert f"results/{REVERT_GRID.name}/tables.md" in (ROOT / "mkdocs.yml").read_text()
-    body = sections(tables, "###")
-    claims = table_rows(body[next(t for t in body if t.startswith("The claims"))])
+    claims = claim_rows(tables)
     assert len(claims) == 2
     quoted = flat((ROOT / "docs" / "retention.md").read_text())
     for row in claims:
@@ -119,8 +118,7 @@ def test_the_prose_figures_are_the_reports():
     before, after = (float(x) for x in sft["overlap to the base"].split(" → "))
     assert f"{after - before:.2f}" == "0.03" and "brings back 0.03 of the top-k overlap" in readme
     assert "brings 0.03 of it back" in page
-    claims = {r["claim (fixed before the grid ran)"]: r for r in table_rows(sections(tables, "###")[next(
-        t for t in sections(tables, "###") if t.startswith("The claims"))])}  # fmt: skip
+    claims = {r["claim (fixed before the grid ran)"]: r for r in claim_rows(tables)}
     untargeted = next(r for c, r in claims.items() if "untargeted" in c)
     assert f"{untargeted['estimate']} {untargeted['95% CI']}" in page
     biggest = max(abs(float(r["ΔNLL"].split()[0])) for r in start.values())

@@ -17,7 +17,7 @@ from rpb.toyworld.study.figures import CLAIMS
 from rpb.toyworld.study.grid import pinned_fields
 from rpb.toyworld.study.rl_figures import RL_FIGURE
 from rpb.toyworld.study.shipping import report_shipped, shipped_results, shipped_studies
-from tests.project.test_prose_figures import flat, sections, table_rows
+from tests.project.test_prose_figures import claim_rows, flat
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
@@ -90,8 +90,7 @@ def test_the_results_page_shows_the_figure_and_rl_md_quotes_every_verdict():
     tables = (SHIPPED / "tables.md").read_text()
     assert f"]({RL_FIGURE})" in tables and (SHIPPED / RL_FIGURE).is_file()
     assert "results/rl/tables.md" in (ROOT / "mkdocs.yml").read_text()
-    body = sections(tables, "###")
-    claims = table_rows(body[next(t for t in body if t.startswith("The claims"))])
+    claims = claim_rows(tables)
     quoted = flat((ROOT / "docs" / "rl.md").read_text())
     for row in claims:
         claim = row["claim (fixed before the grid ran, with its margin)"]
