@@ -31,12 +31,12 @@ from transformers.utils import logging as hf_logging
 
 from rpb.adapters import find_moe_layers
 from rpb.anchors import AnchorConfig, install_anchor
-from rpb.artifact import load_artifact
 from rpb.calibrate.run import Counter, Sample, counterfactual_pass, propagated_pass
 from rpb.collect import collect, collect_prior
 from rpb.collect.rows import label_range, scan_rows
 from rpb.data import ChatTemplate
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
+from rpb.prior.artifact import load_artifact
 from rpb.testing.data import long_conversations, write_jsonl
 from rpb.testing.models import build_tiny_model
 from rpb.testing.tokenizers import moonlight_tokenizer

@@ -39,7 +39,7 @@ from rpb.testing.tokenizers import moonlight_tokenizer
 IN_MEMORY = """
 import sys
 from rpb.adapters import find_moe_layers
-from rpb.artifact import PriorArtifact, save_artifact
+from rpb.prior.artifact import PriorArtifact, save_artifact
 from rpb.collect import collect_prior
 from rpb.models import load_base_model, load_tokenizer
 from rpb.data import load_labelled

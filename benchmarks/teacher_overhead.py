@@ -32,10 +32,10 @@ import torch
 from transformers import TrainerCallback
 
 from rpb.anchors import AnchorConfig
-from rpb.config import DataSection, RunConfig, TrainSection
-from rpb.lora import LoraSection
 from rpb.toyworld.world.post import ROUTER_TRANSFORM, PostRecipe, write_rows
 from rpb.toyworld.world.tasks import sample
+from rpb.train.config import DataSection, RunConfig, TrainSection
+from rpb.train.lora import LoraSection
 
 BASE = Path(__file__).resolve().parents[1] / "bases" / "base0"
 TARGETS = {"lora": 1.6, "frozen_copy": 1.45, "stored": 1.05, "grpo": 1.05}
@@ -79,7 +79,7 @@ def sft_config(out: Path, data: Path, steps: int, method: str, lora: bool, ancho
 
 
 def sft_step_times(cfg: RunConfig, warmup: int) -> list[float]:
-    from rpb.train import run_training
+    from rpb.train.run import run_training
 
     timer = StepTimes()
     run_training(cfg, progress=False, callbacks=[timer])

@@ -32,7 +32,7 @@ from rpb.prior import STRUCTURAL
 from rpb.testing.models import tiny_config
 from rpb.testing.tokenizers import moonlight_tokenizer
 from rpb.toyworld.world.base import BaseRecipe, _batch, encode_tasks, training_pool
-from rpb.train import deterministic_algorithms
+from rpb.train.run import deterministic_algorithms
 
 
 def parse_args() -> argparse.Namespace:

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoModelForCausalLM
 
-import rpb.train
+import rpb.train.run
 from rpb.anchors import AnchorConfig, install_anchor
 from rpb.data import load_labelled
 from rpb.data.dataset import forget_labelled
@@ -49,7 +49,7 @@ from rpb.toyworld.study.lanes import Job, run_jobs
 from rpb.toyworld.world.base import BaseRecipe, encode_tasks, machine, pretraining_step, training_batch, training_pool
 from rpb.toyworld.world.post import PostRecipe, train_cell, write_rows
 from rpb.toyworld.world.tasks import sample
-from rpb.train import deterministic_algorithms
+from rpb.train.run import deterministic_algorithms
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,7 +69,7 @@ class Rung(NamedTuple):
     kernels: str  # the batch layout and (pretraining) the recipe's kernels: "reference" padded, "fast" packed
     experts: str | None = None  # pretraining's experts kernel (None: transformers' default)
     token_mask: bool = False  # pretraining: rpb_sorted skips the padding
-    fill: bool = False  # deterministic mode's NaN fill of new memory (rpb.train.FILL_UNINITIALIZED_MEMORY)
+    fill: bool = False  # deterministic mode's NaN fill of new memory (rpb.train.run.FILL_UNINITIALIZED_MEMORY)
     labelled: bool = False  # post-training: the data file was labelled by an earlier cell of the process
 
 
@@ -92,11 +92,11 @@ LANES_RUNG = "fast, {lanes} cells side by side (wall / cells)"
 
 @contextlib.contextmanager
 def filling(on: bool):
-    before, rpb.train.FILL_UNINITIALIZED_MEMORY = rpb.train.FILL_UNINITIALIZED_MEMORY, on
+    before, rpb.train.run.FILL_UNINITIALIZED_MEMORY = rpb.train.run.FILL_UNINITIALIZED_MEMORY, on
     try:
         yield
     finally:
-        rpb.train.FILL_UNINITIALIZED_MEMORY = before
+        rpb.train.run.FILL_UNINITIALIZED_MEMORY = before
 
 
 class Pretraining:

@@ -56,10 +56,10 @@ def xdist_group_of(path: Path) -> str:
 SLOW_FIRST = (
     "adapters/test_hf_replicas.py",
     "project/test_family_matrix.py",
-    "test_train.py",
+    "train/test_run.py",
     "integrations/axolotl/test_plugin.py",
-    "test_train_distributed.py",
-    "test_checkpoints.py",
+    "train/test_run_distributed.py",
+    "train/test_checkpoints.py",
     "integrations/trl/test_sft.py",
     "toyworld/study/test_lanes.py",
     "collect/test_collector.py",

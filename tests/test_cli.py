@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from rpb import artifact as artifact_module
 from rpb.cli import main
 from rpb.collect import collect
+from rpb.prior import artifact as artifact_module
 from rpb.testing.data import conversations, write_jsonl
 from tests.conftest import qa, write_rows
 

@@ -55,8 +55,8 @@ def run_case(family: str, how: str, dtype: str, device: str) -> dict:
     from rpb.adapters import get_adapter
     from rpb.experts import ExpertChoice, train_only_experts
     from rpb.experts.masks import check_choice, routed_expert_parameter
-    from rpb.lora import LoraSection, apply_lora
     from rpb.testing.models import build_tiny_model
+    from rpb.train.lora import LoraSection, apply_lora
 
     model = build_tiny_model(family, vocab_size=64).train()
     facts = get_adapter(model.config.model_type)

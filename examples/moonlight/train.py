@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", action="store_true", help="with --dry-run: also check the prior and data files")
     args = parser.parse_args(argv)
 
-    from rpb.config import ConfigError
+    from rpb.errors import ConfigError
     from rpb.integrations.megatron.config import load_megatron_config
 
     try:

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from rpb.anchors import AnchorConfig, install_anchor
-from rpb.artifact import load_artifact
 from rpb.calibrate import calibrate
 from rpb.collect import collect
-from rpb.config import load_config
 from rpb.data import AnchorCollator, load_labelled
 from rpb.models import load_causal_lm, load_tokenizer
+from rpb.prior.artifact import load_artifact
 from rpb.retention.run import run_retention
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.replicas import (
@@ -28,7 +27,8 @@ from rpb.testing.replicas import (
     routing_part,
     source,
 )
-from rpb.train import run_training
+from rpb.train.config import load_config
+from rpb.train.run import run_training
 from tests.hand_routing import token_bias
 from tests.test_routing import reference_route
 

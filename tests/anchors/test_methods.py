@@ -9,11 +9,11 @@ import torch
 
 import rpb.anchors.methods as methods_module
 from rpb.anchors import METHODS, AnchorConfig, get_method, install_anchor, methods_table
-from rpb.config import ConfigError, load_config
-from rpb.errors import ArgumentError
+from rpb.errors import ArgumentError, ConfigError
 from rpb.testing.models import build_tiny_model
 from rpb.toyworld.study.grid import Arm, Grid, table_weights
 from rpb.toyworld.study.tables import table
+from rpb.train.config import load_config
 from tests.anchors import dummy_method
 
 

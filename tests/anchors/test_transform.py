@@ -55,11 +55,11 @@ def test_the_toy_worlds_cells_pin_softmax_as_the_shipped_grids_were_made(method,
     """Its bases are DeepSeek-V3-shaped (sigmoid routers): without the pin a kl-to-base cell (no prior) would
     read the normalised sigmoid, and the shipped kl-to-base cells would not regenerate. The pin is in the
     code, not the cell's recorded anchor, so no shipped cell's identity changes."""
-    import rpb.train
+    import rpb.train.run
     from rpb.toyworld.world.post import PostRecipe, train_cell
 
     seen = []
-    monkeypatch.setattr(rpb.train, "run_training", lambda cfg, callbacks=(): seen.append(cfg))
+    monkeypatch.setattr(rpb.train.run, "run_training", lambda cfg, callbacks=(): seen.append(cfg))
     anchor = {"lambda_": 0.1} if method == "kl-to-base" else {"beta": 1.0}
     train_cell(
         tmp_path,

@@ -20,12 +20,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from rpb.artifact import ArtifactError, TensorSpec, read_metadata, stream_artifact, write_streamed
 from rpb.cli import main
 from rpb.collect import collect, plan_batches
 from rpb.collect.rows import index_rows, label_range, label_rows, scan_rows
 from rpb.collect.store import WorkDir, work_dir_for
 from rpb.data import ChatTemplate, DataError, load_labelled
+from rpb.prior.artifact import ArtifactError, TensorSpec, read_metadata, stream_artifact, write_streamed
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import build_tiny_model
 from tests.conftest import write_rows
@@ -140,7 +140,7 @@ MAPPING_PROBE = """
 import sys
 from pathlib import Path
 
-from rpb.artifact import load_artifact
+from rpb.prior.artifact import load_artifact
 
 
 def anonymous_kib():
@@ -288,7 +288,7 @@ def test_interrupted_run_resumes_and_refuses_changes(
 
 KILLER = """
 import os, signal, sys
-import rpb.artifact, rpb.collect.store
+import rpb.prior.artifact, rpb.collect.store
 from rpb.cli import main
 
 where, k = os.environ["RPB_TEST_KILL"].split(":")
@@ -305,7 +305,7 @@ def kill_after(owner, name):
     setattr(owner, name, wrapper)
 
 if where == "chunk-written-not-renamed":
-    kill_after(rpb.artifact, "save_file")
+    kill_after(rpb.prior.artifact, "save_file")
 elif where == "chunk-renamed":
     kill_after(rpb.collect.store.WorkDir, "write_chunk")
 elif where == "assembly":

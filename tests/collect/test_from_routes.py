@@ -13,8 +13,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rpb.adapters import find_moe_layers, get_adapter
-from rpb.artifact import METADATA_KEY, load_artifact, read_metadata
-from rpb.artifact_checks import file_problems
 from rpb.calibrate import calibrate
 from rpb.cli import main
 from rpb.collect import collect
@@ -23,10 +21,12 @@ from rpb.collect.hf_routes import write_routes
 from rpb.data import load_labelled
 from rpb.experts.run import run_experts
 from rpb.models import load_causal_lm, load_tokenizer
+from rpb.prior.artifact import METADATA_KEY, load_artifact, read_metadata
+from rpb.prior.checks import file_problems
 from rpb.replay.routefile import load_routes, save_routes
 from rpb.testing import replica as build_replica
 from rpb.testing.data import conversations, write_jsonl
-from rpb.validate import validate_artifact
+from rpb.train.validate import validate_artifact
 from tests.test_routing import reference_route
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import datasets
 import pytest
 
-from rpb.config import ConfigError
 from rpb.data import Example
 from rpb.data.arrow import as_dataset
 from rpb.data.batches import IGNORE_INDEX
+from rpb.errors import ConfigError
 
 A, Q, S = 1, 0, -1  # span ids: answer, question, structural
 

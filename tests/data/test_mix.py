@@ -7,12 +7,13 @@ from collections import Counter
 import pytest
 import torch
 
-from rpb.config import ConfigError, load_config
 from rpb.data import load_labelled
 from rpb.data.mix import MixSource, mix, mix_problems
-from rpb.dryrun import DryRunError, dry_run
+from rpb.errors import ConfigError
 from rpb.testing.data import write_jsonl
-from rpb.train import run_training
+from rpb.train.config import load_config
+from rpb.train.dryrun import DryRunError, dry_run
+from rpb.train.run import run_training
 from tests.conftest import qa, write_rows
 
 

@@ -238,10 +238,10 @@ def test_distilled_reasoning_rows_collect_and_train_on_deepseek_v3_1(tmp_path, c
 
     from rpb.anchors.verify import PriorMismatchError
     from rpb.collect import collect
-    from rpb.config import load_config
     from rpb.testing.models import build_tiny_model
-    from rpb.train import run_training
-    from rpb.validate import validate_artifact
+    from rpb.train.config import load_config
+    from rpb.train.run import run_training
+    from rpb.train.validate import validate_artifact
 
     tok = vendor_tokenizer("deepseek_v3_1")
     model_dir = tmp_path / "model"

@@ -14,14 +14,15 @@ from transformers import TrainingArguments
 
 from rpb.adapters import find_moe_layers, get_adapter, router_output
 from rpb.anchors import AnchorConfig, install_anchor
-from rpb.config import load_config
 from rpb.errors import ArgumentError
 from rpb.experts import ExpertChoice, train_only_experts
-from rpb.lora import LoraSection, apply_lora
 from rpb.monitor import audit
 from rpb.prior import SPAN_A
 from rpb.testing.models import build_tiny_model
-from rpb.train import AnchorTrainer, run_training
+from rpb.train.config import load_config
+from rpb.train.lora import LoraSection, apply_lora
+from rpb.train.run import run_training
+from rpb.train.trainer import AnchorTrainer
 from tests.fixed_routing import MOE_LAYERS, E
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,9 +14,9 @@ import copy
 import pytest
 import torch
 
-from rpb.config import RunConfig, TrainSection, validate
 from rpb.kernels import SORTED_EXPERTS, registered, supports, token_mask
 from rpb.testing.models import ARCHITECTURES, build_tiny_model
+from rpb.train.config import RunConfig, TrainSection, validate
 
 VOCAB = 64
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -97,7 +97,7 @@ def test_experts_without_tokens_get_zero_gradient():
 
 
 def test_two_runs_are_bit_identical_under_deterministic_kernels():
-    from rpb.train import deterministic_algorithms
+    from rpb.train.run import deterministic_algorithms
 
     _, fast = pair("moonlight")
     batch = padded_batch(seed=3)

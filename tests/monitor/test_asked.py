@@ -11,11 +11,11 @@ import torch
 
 from rpb.adapters import find_moe_layers, get_adapter
 from rpb.anchors import AnchorConfig
-from rpb.config import RunConfig, TrainSection
-from rpb.lora import LoraSection, apply_lora
 from rpb.monitor import Asked
 from rpb.monitor.asked import asked_from_config, asked_from_model
 from rpb.testing.models import build_tiny_model
+from rpb.train.config import RunConfig, TrainSection
+from rpb.train.lora import LoraSection, apply_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FACTS = get_adapter("qwen3_moe")

@@ -22,7 +22,7 @@ from rpb.monitor import Asked, audit
 from rpb.prior import SPAN_A, STRUCTURAL
 from rpb.testing.data import write_jsonl
 from rpb.testing.models import build_tiny_model
-from rpb.train import AnchorTrainer
+from rpb.train.trainer import AnchorTrainer
 from tests.conftest import qa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -227,7 +227,7 @@ def test_a_native_aux_loss_the_models_config_turns_off_is_caught_without_being_t
 
 
 def lora_trainer(tmp_path, router: str):
-    from rpb.lora import LoraSection, apply_lora
+    from rpb.train.lora import LoraSection, apply_lora
 
     torch.manual_seed(0)
     model = apply_lora(
@@ -253,7 +253,7 @@ def test_lora_leaving_the_router_out_passes(tmp_path):
 def test_a_router_frozen_by_hand_before_rpbs_lora_then_trained_as_a_copy_is_caught(tmp_path):
     """PEFT freezes every base weight: only rpb's record tells that the first MoE layer's router was frozen
     before the wrap made a trainable copy of it; the other layer's router, free before, trains as asked."""
-    from rpb.lora import LoraSection, apply_lora
+    from rpb.train.lora import LoraSection, apply_lora
 
     torch.manual_seed(0)
     model = build_tiny_model("qwen3_moe", vocab_size=64)

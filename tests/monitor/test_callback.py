@@ -121,7 +121,7 @@ class CountHooks(TrainerCallback):
 
 def test_on_an_anchored_trainer_it_reads_the_anchors_taps_beside_the_anchors_own_figures(tmp_path):
     from rpb.anchors import AnchorConfig, install_anchor
-    from rpb.train import AnchorTrainer
+    from rpb.train.trainer import AnchorTrainer
     from tests.monitor.test_audit import Rows as KeyedRows
 
     model = build_tiny_model("qwen3_moe", vocab_size=64).train()

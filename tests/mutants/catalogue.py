@@ -20,56 +20,56 @@ from tests.mutants import (
 from tests.mutants.harness import Mutant
 
 BEFORE_ISSUE_48: tuple[Mutant, ...] = (
-    # ---- train.py: the anchor's term in the loss, accumulation, resume --------------------------------------
+    # ---- train/trainer.py: the anchor's term in the loss, accumulation, resume ---------------------------------
     Mutant(
         name="anchor_term_dropped",
         story="the anchor's term is computed and logged but never added to the training loss",
-        path="trainer.py",
+        path="train/trainer.py",
         function="AnchorTrainerMixin.compute_loss",
         pattern=r"loss = loss \+ term / self\._anchor_divisor\(num_items_in_batch\)",
         replacement="loss = loss",
         tests=(
-            "tests/test_train_wiring.py::test_the_term_reaches_the_router_gradient_as_its_formula_says[kl-to-base]",
+            "tests/train/test_run_wiring.py::test_the_term_reaches_the_router_gradient_as_its_formula_says[kl-to-base]",
         ),
     ),
     Mutant(
         name="anchor_term_detached",
         story="the anchor term detached before it joins the loss: it shifts the loss value but moves no weight",
-        path="trainer.py",
+        path="train/trainer.py",
         function="AnchorTrainerMixin.compute_loss",
         pattern=r"term = self\.anchor\.loss\(\)",
         replacement="term = self.anchor.loss().detach()",
         tests=(
-            "tests/test_train_wiring.py::test_the_term_reaches_the_router_gradient_as_its_formula_says[kl-to-base]",
+            "tests/train/test_run_wiring.py::test_the_term_reaches_the_router_gradient_as_its_formula_says[kl-to-base]",
         ),
     ),
     Mutant(
         name="anchor_term_not_divided_by_accumulation",
         story="the per-micro-batch anchor term is added whole at every micro-batch, so it counts grad_accum times",
-        path="trainer.py",
+        path="train/trainer.py",
         function="AnchorTrainerMixin._anchor_divisor",
         pattern=r"return self\.current_gradient_accumulation_steps if scaled else 1",
         replacement="return 1",
-        tests=("tests/test_train_wiring.py::test_two_accumulated_micro_batches_are_one_batch[kl-to-base]",),
+        tests=("tests/train/test_run_wiring.py::test_two_accumulated_micro_batches_are_one_batch[kl-to-base]",),
     ),
     Mutant(
         name="one_more_step_after_the_final_checkpoint",
         story="the resume guard compares with > instead of >=: a resume from the final checkpoint trains one more step",
-        path="trainer.py",
+        path="train/trainer.py",
         function="AnchorTrainerMixin.get_batch_samples",
         pattern=r"if self\.state\.global_step >= self\.state\.max_steps > 0:",
         replacement="if self.state.global_step > self.state.max_steps > 0:",
-        tests=("tests/test_checkpoints.py::test_a_kill_after_the_final_checkpoint_resumes_to_nothing_more",),
+        tests=("tests/train/test_checkpoints.py::test_a_kill_after_the_final_checkpoint_resumes_to_nothing_more",),
     ),
     Mutant(
         name="random_state_not_restored",
         story="the checkpoint loader restores weights, optimizer and data position but skips the RNG state",
-        path="trainer.py",
+        path="train/trainer.py",
         function="AnchorTrainerMixin._load_from_checkpoint",
         pattern=r"super\(\)\._load_from_checkpoint\(resume_from_checkpoint, model\)\n",
         replacement="super()._load_from_checkpoint(resume_from_checkpoint, model)\n"
         "        self._load_rng_state = lambda checkpoint: None\n",
-        tests=("tests/test_checkpoints.py::test_a_resume_between_checkpoints_that_do_not_divide_max_steps",),
+        tests=("tests/train/test_checkpoints.py::test_a_resume_between_checkpoints_that_do_not_divide_max_steps",),
     ),
     # ---- anchors/handle.py: the hook -------------------------------------------------------------------------
     Mutant(
@@ -179,33 +179,33 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         replacement="gates_TK = gates_TK",
         tests=("tests/test_routing.py::test_zero_bias_reproduces_the_router_bit_exactly[qwen3_moe-fp32]",),
     ),
-    # ---- prior.py: eq. 2 and eq. 3 ------------------------------------------------------------------------------
+    # ---- prior/math.py: eq. 2 and eq. 3 ------------------------------------------------------------------------
     Mutant(
         name="bias_not_mean_centred",
         story="eq. 3's centring dropped: the bias is log q, which shifts every logit down",
-        path="prior.py",
+        path="prior/math.py",
         function="log_prior_bias",
         pattern=r"return log_q - log_q\.mean\(dim=-1, keepdim=True\)",
         replacement="return log_q",
-        tests=("tests/test_prior.py::test_clip_and_bias_golden",),
+        tests=("tests/prior/test_math.py::test_clip_and_bias_golden",),
     ),
     Mutant(
         name="upper_clip_ignored",
         story="clip_prior clamps only from below: C never caps a dominant expert",
-        path="prior.py",
+        path="prior/math.py",
         function="clip_prior",
         pattern=r"q = pi_E\.float\(\)\.clamp\(eps / num_experts, clip / num_experts\)",
         replacement="q = pi_E.float().clamp_min(eps / num_experts)",
-        tests=("tests/test_prior.py::test_bias_upper_clip_golden",),
+        tests=("tests/prior/test_math.py::test_bias_upper_clip_golden",),
     ),
     Mutant(
         name="span_means_divided_by_row_length",
         story="eq. 2's span mean divides by the row's length instead of the span's token count",
-        path="prior.py",
+        path="prior/math.py",
         function="span_means",
         pattern=r"/ counts_BS\.unsqueeze\(-1\)\.to\(torch\.float32\)",
         replacement="/ float(span_BT.shape[1])",
-        tests=("tests/test_prior.py::test_span_means_golden_and_padding_never_counts",),
+        tests=("tests/prior/test_math.py::test_span_means_golden_and_padding_never_counts",),
     ),
     # ---- anchors/prior_routing.py / controls.py ----------------------------------------------------------------
     Mutant(
@@ -235,7 +235,7 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         pattern=r"rows_PLE = shuffle_prior\(rows_PLE, self\.sigma_LE\)",
         replacement="rows_PLE = rows_PLE",
         tests=(
-            "tests/test_train_controls.py::"
+            "tests/train/test_run_controls.py::"
             "test_the_control_trains_on_the_prior_shuffled_by_its_recorded_permutation[global-hard]",
         ),
     ),
@@ -343,11 +343,11 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
     Mutant(
         name="sigmoid_scores_not_normalised",
         story="the sigmoid-normalized transform returns raw sigmoid scores, not a distribution over experts",
-        path="prior.py",
+        path="prior/math.py",
         function="router_probs",
         pattern=r"return s / s\.sum\(dim=-1, keepdim=True\)",
         replacement="return s",
-        tests=("tests/test_prior.py::test_sigmoid_normalized_transform_golden",),
+        tests=("tests/prior/test_math.py::test_sigmoid_normalized_transform_golden",),
     ),
     # ---- retention ----------------------------------------------------------------------------------------------
     Mutant(
@@ -410,21 +410,21 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
     Mutant(
         name="torn_checkpoint_taken_as_complete",
         story="complete_checkpoints lists every checkpoint-N directory, so auto resumes from one a kill left torn",
-        path="checkpoints.py",
+        path="train/checkpoints.py",
         function="complete_checkpoints",
         pattern=r"if m and d\.is_dir\(\) and \(d / MARKER\)\.is_file\(\):",
         replacement="if m and d.is_dir():",
-        tests=("tests/test_checkpoints.py::test_killed_and_resumed_equals_uninterrupted[rpb]",),
+        tests=("tests/train/test_checkpoints.py::test_killed_and_resumed_equals_uninterrupted[rpb]",),
     ),
     Mutant(
         name="marker_after_the_callers_callbacks",
         story="the complete marker runs after the caller's callbacks: one that stops the job at a save leaves the "
         "finished checkpoint unmarked",
-        path="train.py",
+        path="train/run.py",
         function="run_training",
         pattern=r"callbacks=\[JsonlLog\(out / \"log\.jsonl\"\), \*markers, \*\(callbacks or \[\]\)\]",
         replacement='callbacks=[JsonlLog(out / "log.jsonl"), *(callbacks or []), *markers]',
-        tests=("tests/test_checkpoints.py::test_killed_and_resumed_equals_uninterrupted[rpb]",),
+        tests=("tests/train/test_checkpoints.py::test_killed_and_resumed_equals_uninterrupted[rpb]",),
     ),
     Mutant(
         name="directory_built_in_place",
@@ -470,26 +470,26 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         function="verify_prior",
         pattern=r"check\(\"data_sha256\", meta\.get\(\"data_sha256\"\), run\.data_sha256\)",
         replacement="pass",
-        tests=("tests/test_train.py::test_mismatched_priors_are_refused_naming_each_field",),
+        tests=("tests/train/test_run.py::test_mismatched_priors_are_refused_naming_each_field",),
     ),
     Mutant(
         name="validate_skips_row_sums",
         story="rpb validate never checks that each prior row sums to 1",
-        path="artifact_checks.py",
+        path="prior/checks.py",
         function="value_problems",
         pattern=r"off = \(sums - 1\)\.abs\(\) > ROW_SUM_TOLERANCE",
         replacement="off = torch.zeros_like(sums, dtype=torch.bool)",
-        tests=("tests/test_validate.py::test_damaged_tensors_are_all_reported",),
+        tests=("tests/train/test_validate.py::test_damaged_tensors_are_all_reported",),
     ),
     Mutant(
         name="marker_written_before_the_checkpoint",
         story="the complete marker is written when the Trainer decides to save, before the checkpoint is on disk",
-        path="checkpoints.py",
+        path="train/checkpoints.py",
         function="CompleteMarker.on_save",
         pattern=r"def on_save\(self, args, state, control, \*\*kwargs\):\n        if state\.is_world_process_zero:",
         replacement="def on_step_end(self, args, state, control, **kwargs):\n"
         "        if state.is_world_process_zero and control.should_save:",
-        tests=("tests/test_checkpoints.py::test_a_kill_during_a_save_leaves_that_checkpoint_unmarked",),
+        tests=("tests/train/test_checkpoints.py::test_a_kill_during_a_save_leaves_that_checkpoint_unmarked",),
     ),
     Mutant(
         name="text_file_written_in_place",
@@ -553,7 +553,7 @@ BEFORE_ISSUE_48: tuple[Mutant, ...] = (
         pattern=r"return \(gather\(\) if callable\(gather\) else t\)\.clone\(\)",
         replacement="return t.clone()",
         tests=(
-            "tests/test_train_distributed.py::test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks",
+            "tests/train/test_run_distributed.py::test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks",
         ),
     ),
     Mutant(

@@ -56,7 +56,7 @@ MUTANTS: tuple[Mutant, ...] = (
         name="lora_records_after_the_wrap",
         story="apply_lora reads which routers were frozen after PEFT froze every base weight: every router "
         "counts as frozen by hand",
-        path="lora.py",
+        path="train/lora.py",
         function="apply_lora",
         pattern=r"setattr\(wrapped, FROZEN_ROUTERS, frozen\)",
         replacement="setattr(wrapped, FROZEN_ROUTERS, tuple(m.layer_index for m in find_moe_layers(model, facts) "

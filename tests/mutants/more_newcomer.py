@@ -6,12 +6,12 @@ from __future__ import annotations
 from tests.mutants.harness import Mutant
 
 DATASET = "tests/data/test_dataset.py"
-DRY = "tests/test_dryrun.py"
+DRY = "tests/train/test_dryrun.py"
 EMPTY = f"{DATASET}::test_an_empty_message_is_named_as_empty_not_as_a_span_cut_by_max_seq_len"
 COUNTED = f"{DATASET}::test_rows_longer_than_max_seq_len_are_counted"
 BAD_ROWS = f"{DRY}::test_a_dry_run_lists_every_bad_row_as_the_real_run_reports_it"
 AT_ONCE = f"{DRY}::test_a_dry_run_lists_the_prior_its_settings_and_the_rows_at_once"
-TRAIN_COUNT = "tests/test_train.py::test_rows_cut_by_max_seq_len_are_counted_in_the_log_and_in_rpb_run_json"
+TRAIN_COUNT = "tests/train/test_run.py::test_rows_cut_by_max_seq_len_are_counted_in_the_log_and_in_rpb_run_json"
 COLLECT_COUNT = "tests/test_cli.py::test_collect_counts_the_rows_cut_by_max_seq_len_in_the_log_and_the_prior"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -31,14 +31,14 @@ MUTANTS: tuple[Mutant, ...] = (
         path="cli/training.py",
         function="_train",
         pattern=r"print\(dry_run\(args\.config, args\.overrides\)\.summary\(\)\)",
-        replacement='print(__import__("rpb.config", fromlist=["load_config"]).load_config(args.config, '
+        replacement='print(__import__("rpb.train.config", fromlist=["load_config"]).load_config(args.config, '
         'args.overrides) and "configuration OK")',
         tests=(BAD_ROWS,),
     ),
     Mutant(
         name="dry_run_skips_the_rows",
         story="the dry run checks the prior and the settings but never labels the rows: bad rows pass it",
-        path="dryrun.py",
+        path="train/dryrun.py",
         function="dry_run",
         pattern=r"data = _rows\(",
         replacement="data = None and _rows(",
@@ -47,7 +47,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="dry_run_skips_the_prior_file",
         story="the dry run reads the prior's metadata but not its values or its data: a NaN prior passes it",
-        path="dryrun.py",
+        path="train/dryrun.py",
         function="_prior",
         pattern=r'problems \+= \[f"prior: \{p\}" for p in validate_artifact\(cfg\.prior, data_jsonl=data\)\.problems\]',
         replacement="pass",
@@ -56,7 +56,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="dry_run_skips_the_prior_settings",
         story="the dry run never compares the prior with the run: another max_seq_len or template kwargs pass it",
-        path="dryrun.py",
+        path="train/dryrun.py",
         function="dry_run",
         pattern=r"_settings\(cfg, tokenizer, meta, max_seq_len, problems\)",
         replacement="pass",
@@ -74,7 +74,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="truncated_rows_not_in_rpb_run_json",
         story="rpb train counts the rows it cut but rpb_run.json does not record them",
-        path="train.py",
+        path="train/run.py",
         function="attach_anchor",
         pattern=r'\n\s*"truncated_rows": data\.truncated_rows,',
         replacement="",
@@ -83,7 +83,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="truncated_rows_not_logged_by_train",
         story="rpb train records the rows it cut in rpb_run.json but says nothing when it starts",
-        path="train.py",
+        path="train/run.py",
         function="prepare_run",
         pattern=r"note_truncated\(data\.truncated_rows, data\.num_rows, max_seq_len\)",
         replacement="None",

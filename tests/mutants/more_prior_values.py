@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from tests.mutants.harness import Mutant
 
-CHECKS = "tests/test_artifact_checks.py"
+CHECKS = "tests/prior/test_checks.py"
 COLLECTOR = "tests/collect/test_collector.py"
 #: the raw reader, as a regression back to it would call it (the mutated modules import only load_prior)
-RAW = '__import__("rpb.artifact", fromlist=["load_artifact"]).load_artifact'
+RAW = '__import__("rpb.prior.artifact", fromlist=["load_artifact"]).load_artifact'
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="load_prior_skips_value_checks",
         story="the checked loader checks the metadata's hash but not the values: a NaN prior trains",
-        path="artifact_checks.py",
+        path="prior/checks.py",
         function="load_prior",
         pattern=r"problems = file_problems\(path, art\)",
         replacement="problems = hash_problems(path, art.metadata)",
@@ -23,7 +23,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="load_prior_skips_tensor_hash",
         story="the checked loader checks the values but never the tensor hash: a flipped bit trains",
-        path="artifact_checks.py",
+        path="prior/checks.py",
         function="load_prior",
         pattern=r"problems = file_problems\(path, art\)",
         replacement="problems = metadata_problems(art.metadata) + tensor_problems(art)",
@@ -32,7 +32,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="hash_placeholder_left_unpatched",
         story="the streamed writer never patches the placeholder: every collected prior records 64 zeros",
-        path="artifact.py",
+        path="prior/artifact.py",
         function="write_streamed",
         pattern=r"f\.write\(digest\.hexdigest\(\)\.encode\(\)\)",
         replacement="pass",
@@ -44,7 +44,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="tensors_hash_covers_the_header",
         story="the streamed writer hashes the header (with its placeholder) along with the tensor bytes",
-        path="artifact.py",
+        path="prior/artifact.py",
         function="write_streamed",
         pattern=r"digest = hashlib\.sha256\(\)",
         replacement="digest = hashlib.sha256(header)",
@@ -53,7 +53,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="validate_skips_tensor_hash",
         story="rpb validate checks the values but not tensors_sha256: a flipped bit that keeps them plausible passes",
-        path="validate.py",
+        path="train/validate.py",
         function="validate_artifact",
         pattern=r"problems \+= file_problems\(path, art\)",
         replacement='problems += [p for p in file_problems(path, art) if not p.startswith("tensors_sha256")]',
@@ -62,7 +62,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="schema_2_prior_refused",
         story="a prior from before the hash is refused for lacking one, instead of loading with a note",
-        path="artifact_checks.py",
+        path="prior/checks.py",
         function="metadata_problems",
         pattern=r"if digest is None and isinstance\(version, int\) and version >= 3:",
         replacement="if digest is None:",
@@ -71,7 +71,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="train_reads_prior_unchecked",
         story="rpb train reads the prior with the raw reader: a NaN prior trains with exit 0",
-        path="train.py",
+        path="train/run.py",
         function="prepare_run",
         pattern=r"load_prior\(cfg\.prior\)",
         replacement=f"{RAW}(cfg.prior)",
@@ -110,7 +110,7 @@ MUTANTS: tuple[Mutant, ...] = (
         path="integrations/megatron/config.py",
         function="file_problems",
         pattern=r"meta = load_prior\(cfg\.prior\)\.metadata",
-        replacement='meta = __import__("rpb.artifact", fromlist=["read_metadata"]).read_metadata(cfg.prior)',
+        replacement='meta = __import__("rpb.prior.artifact", fromlist=["read_metadata"]).read_metadata(cfg.prior)',
         tests=(f"{CHECKS}::test_megatron_check_files_refuses[nan]",),
     ),
     Mutant(

@@ -11,7 +11,7 @@ RL_PRIOR = "tests/integrations/trl/test_rl_prior.py"
 GRPO = "tests/integrations/trl/test_grpo.py"
 ROLLOUTS = "tests/integrations/trl/test_rollouts.py"
 AUDIT = "tests/monitor/test_audit.py"
-DRY = "tests/test_dryrun.py"
+DRY = "tests/train/test_dryrun.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -213,7 +213,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="dry_run_leaves_the_fingerprint_unchecked",
         story="--dry-run passes a prior made for another model although the checkpoint's router tensors are on disk",
-        path="dryrun.py",
+        path="train/dryrun.py",
         function="dry_run",
         pattern=r"report\.model_checked = _model_fields\(cfg, meta, problems\)",
         replacement="report.model_checked = False",

@@ -27,7 +27,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         name="frequency_topk_division_forgotten",
         story="each chosen expert counts 1, not 1/k: a frequency prior's rows sum to k, and its bias is another one",
-        path="prior.py",
+        path="prior/math.py",
         function="selection_sums",
         pattern=r"chosen_BTE\.scatter_\(-1, ids_BTK\.long\(\), 1\.0 / top_k\)",
         replacement="chosen_BTE.scatter_(-1, ids_BTK.long(), 1.0)",

@@ -4,6 +4,7 @@ they name exists, the methods table is the code's, and every public name of docs
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 import shlex
 from pathlib import Path
@@ -133,3 +134,26 @@ def test_every_public_name_in_the_api_page_imports():
         except (ImportError, AttributeError):
             missing.append(dotted)
     assert missing == []
+
+
+def moved_names(text: str) -> list[tuple[str, str, str]]:
+    """``(before, now, name)`` for every name of the CHANGELOG's move tables (rows ``| `old` | `new` | `a`, ... |``)."""
+    rows = re.findall(r"^\s*\| `(rpb[\w.]*)` \| `(rpb[\w.]*)` \| (.+) \|$", text, flags=re.M)
+    return [(before, now, name) for before, now, names in rows for name in re.findall(r"`(\w+)`", names)]
+
+
+def test_every_moved_name_imports_from_where_the_changelog_says_and_not_from_before():
+    """No compatibility shims (docs/api.md): a moved name imports from its new module only. ``rpb.prior``'s math
+    is the one re-export by design (the package's face), and ``rpb.train`` and ``rpb.prior`` are rooms now."""
+    moved = moved_names((ROOT / "CHANGELOG.md").read_text())
+    assert len(moved) > 90 and ("rpb.config", "rpb.errors", "ConfigError") in moved
+    wrong = []
+    for before, now, name in moved:
+        if not hasattr(importlib.import_module(now), name):
+            wrong.append(f"{now}.{name}: missing")
+        if before in ("rpb.prior", "rpb.train"):
+            if hasattr(importlib.import_module(before), name) != (before == "rpb.prior"):
+                wrong.append(f"{before}.{name}: a shim")
+        elif importlib.util.find_spec(before) is not None:
+            wrong.append(f"{before}: still a module")
+    assert wrong == []

@@ -7,7 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from rpb.artifact import read_metadata
+from rpb.prior.artifact import read_metadata
 
 SMOKE = Path(__file__).resolve().parents[2] / "examples" / "moonlight" / "smoke.py"
 

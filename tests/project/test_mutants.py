@@ -22,13 +22,13 @@ def test_the_catalogue_is_large_unique_and_every_mutant_applies():
 
 
 def test_a_mutation_that_no_longer_applies_is_a_harness_error():
-    stale = Mutant("stale", "a pattern the source no longer has", "prior.py", "log_prior_bias", r"no such code", "x",
-                   ("tests/test_prior.py",))  # fmt: skip
+    stale = Mutant("stale", "a pattern the source no longer has", "prior/math.py", "log_prior_bias",
+                   r"no such code", "x", ("tests/prior/test_math.py",))  # fmt: skip
     with pytest.raises(MutationError, match="matches 0 times"):
-        mutate((ROOT / "src" / "rpb" / "prior.py").read_text(), stale)
-    twice = Mutant("twice", "a pattern matching twice", "prior.py", "log_prior_bias", r"log_q", "x", ("t",))
+        mutate((ROOT / "src" / "rpb" / "prior" / "math.py").read_text(), stale)
+    twice = Mutant("twice", "a pattern matching twice", "prior/math.py", "log_prior_bias", r"log_q", "x", ("t",))
     with pytest.raises(MutationError, match="matches 3 times"):
-        mutate((ROOT / "src" / "rpb" / "prior.py").read_text(), twice)
+        mutate((ROOT / "src" / "rpb" / "prior" / "math.py").read_text(), twice)
 
 
 @pytest.mark.skipif(not os.environ.get("CI"), reason="CI runs its subset of the mutants (make mutants runs all)")
@@ -39,10 +39,10 @@ def test_the_ci_subset_of_mutants_is_killed():
     runner = warm_pytest(scratch)
     # an equivalent mutant (the same bias, written another way) must survive in the same forked runs: a child
     # that did not import the mutated copy, or that read every run as failed, could not tell it from the others
-    same = Mutant("equivalent", "the centring's mean written as a sum over E divided by E", "prior.py",
+    same = Mutant("equivalent", "the centring's mean written as a sum over E divided by E", "prior/math.py",
                   "log_prior_bias", r"log_q\.mean\(dim=-1, keepdim=True\)",
                   "log_q.sum(-1, keepdim=True) / log_q.shape[-1]",
-                  ("tests/test_prior.py::test_clip_and_bias_golden",))  # fmt: skip
+                  ("tests/prior/test_math.py::test_clip_and_bias_golden",))  # fmt: skip
     try:
         outcomes = {m.name: run_mutant(scratch, m, 300, runner)[0] for m in MUTANTS if m.ci}
         equivalent = run_mutant(scratch, same, 300, runner)

@@ -68,8 +68,8 @@ def test_every_quickstart_command_runs(tmp_path, monkeypatch, moon_tok, capsys):
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").rglob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads_and_validates(path, tmp_path, monkeypatch):
     """Without downloading anything: the files a config names are stood in for by empty files."""
-    from rpb.config import load_config
     from rpb.integrations.megatron.config import load_megatron_config
+    from rpb.train.config import load_config
 
     monkeypatch.chdir(tmp_path)
     if path.parent.name == "hf":

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ def test_the_module_reader_sees_lazy_and_relative_imports(tmp_path, monkeypatch)
     assert imported_modules(pkg / "mod.py") >= {"os", "rpb.toyworld", "rpb.toyworld.tasks", "rpb.sub.sibling"}
 
 
-@pytest.mark.parametrize("name", ["prior.py", "routing.py"])
+@pytest.mark.parametrize("name", ["prior/math.py", "routing.py"])
 def test_pure_math_imports_nothing_from_rpb(name):
     found = sorted(m for m in imported_modules(SRC / name) if m == "rpb" or m.startswith("rpb."))
     assert found == [], f"{name} imports {found}"
@@ -111,8 +112,87 @@ def test_the_toy_world_is_registered_as_a_command_plugin():
     assert "rpb.toyworld.cli:add_commands" in {ep.value for ep in entry_points(group="rpb.commands")}
 
 
+#: the top level of src/rpb keeps what every room stands on (docs/layout.md): the package face, __main__, the
+#: named errors, atomic writes, model loading, and the pure routing and loss math
+TOP_LEVEL_MAX = 7
+
+
+def room_of(module: str) -> str | None:
+    """The room of a dotted rpb module: its first-level package, or the top-level module itself (``__init__``
+    for the package face, which every import of rpb runs); None outside rpb."""
+    parts = module.split(".")
+    if parts[0] != "rpb":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def room_graph() -> nx.DiGraph:
+    """Nodes: each first-level package and each top-level module of src/rpb. Edges: room -> room for every
+    import any of its modules makes (lazy ones included), each edge keeping one ``importer -> imported``."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(p.name for p in SRC.iterdir() if (p / "__init__.py").is_file())
+    graph.add_nodes_from(p.stem for p in SRC.glob("*.py"))
+    for path in source_files():
+        here = room_of(module_name(path)) if path.name != "__main__.py" else "__main__"
+        for imported in sorted(imported_modules(path)):
+            there = room_of(imported)
+            if there in graph and there != here and not graph.has_edge(here, there):
+                graph.add_edge(here, there, via=f"{module_name(path)} -> {imported}")
+    return graph
+
+
+def room_cycles(graph: nx.DiGraph) -> list[str]:
+    """Each cycle of rooms, with the import that makes each of its steps."""
+    out = []
+    for cycle in nx.simple_cycles(graph):
+        start = cycle.index(min(cycle))  # each cycle read from its first room by name, so the list is stable
+        cycle = [*cycle[start:], *cycle[:start]]
+        steps = zip(cycle, [*cycle[1:], cycle[0]], strict=True)
+        out.append(" ; ".join(graph.edges[a, b]["via"] for a, b in steps))
+    return sorted(out)
+
+
+def test_the_rooms_import_one_another_without_a_cycle():
+    """A room that imports one that imports it back is one capability split in two, or a helper living in the
+    wrong room: move the helper to what it is about."""
+    assert room_cycles(room_graph()) == []
+
+
+def test_the_room_graph_catches_a_cycle_through_a_lazy_import(tmp_path, monkeypatch):
+    root = tmp_path / "rpb"
+    for rel, text in {
+        "__init__.py": "",
+        "errors.py": "",
+        "a/__init__.py": "from rpb.a.x import f\n",
+        "a/x.py": "from rpb.errors import E\ndef f():\n    from rpb.b import g\n",
+        "b/__init__.py": "from rpb.b.y import g\n",
+        "b/y.py": "from ..a import f\n",
+        "c/__init__.py": "from rpb import errors\n",
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    monkeypatch.setattr(f"{__name__}.SRC", root)
+    graph = room_graph()
+    assert set(graph) == {"__init__", "errors", "a", "b", "c"}
+    assert room_cycles(graph) == ["rpb.a.x -> rpb.b ; rpb.b.y -> rpb.a"]
+
+
+def test_the_top_level_keeps_only_what_every_room_stands_on():
+    modules = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(modules) <= TOP_LEVEL_MAX, modules
+    assert (SRC / "train" / "__init__.py").is_file() and (SRC / "prior" / "__init__.py").is_file()
+
+
+def test_the_layout_page_states_the_room_count():
+    graph = room_graph()
+    packages = sum((SRC / room / "__init__.py").is_file() for room in graph)
+    text = " ".join((ROOT / "docs" / "layout.md").read_text().split())
+    stated = f"{packages} rooms (packages) and {len(graph) - packages} top-level modules"
+    assert stated in text, f"docs/layout.md should say: {stated}"
+
+
 #: fast core test files (a few seconds each) that must pass with the toy world gone
-CORE_TESTS = ("tests/test_config.py", "tests/test_prior.py", "tests/test_routing.py")
+CORE_TESTS = ("tests/train/test_config.py", "tests/prior/test_math.py", "tests/test_routing.py")
 
 
 def test_the_core_runs_without_the_toy_world(tmp_path):
@@ -308,8 +388,8 @@ def test_a_script_run_by_path_shares_its_folder_with_no_package():
 TESTED_THROUGH: dict[str, tuple[str, ...]] = {
     "anchors/config.py": ("anchors/test_handle.py", "anchors/test_methods.py"),
     "anchors/context.py": ("data/test_batches.py",),
-    "anchors/prior_routing.py": ("test_train_controls.py",),
-    "anchors/verify.py": ("test_train.py", "calibrate/test_run.py"),
+    "anchors/prior_routing.py": ("train/test_run_controls.py",),
+    "anchors/verify.py": ("train/test_run.py", "calibrate/test_run.py"),
     "collect/rows.py": ("collect/test_collector.py",),
     "collect/store.py": ("collect/test_collector.py",),
     "data/errors.py": ("data/test_dataset.py", "data/test_template.py"),
@@ -317,7 +397,7 @@ TESTED_THROUGH: dict[str, tuple[str, ...]] = {
     "errors.py": ("test_models.py", "adapters/test_hf.py"),
     "experts/choice.py": ("experts/test_run.py",),
     "integrations/megatron/install.py": ("integrations/megatron/test_router.py",),
-    "monitor/run.py": ("test_train_wiring.py",),
+    "monitor/run.py": ("train/test_run_wiring.py",),
     "monitor/verdict.py": ("monitor/test_audit.py",),
     "retention/markdown.py": ("retention/test_plots.py",),
     "retention/stats.py": ("retention/test_run.py",),
@@ -329,14 +409,14 @@ TESTED_THROUGH: dict[str, tuple[str, ...]] = {
     "toyworld/grids/headline.py": ("toyworld/test_grids.py",),
     "toyworld/grids/small.py": ("toyworld/test_grids.py",),
     "toyworld/world/knowledge.py": ("toyworld/world/test_tasks.py",),
-    "trainer.py": ("test_train_wiring.py", "test_checkpoints.py"),
+    "train/trainer.py": ("train/test_run_wiring.py", "train/test_checkpoints.py"),
 }
 #: Modules no test file imports at all: known gaps, not coverage. Each names the test file and the module
 #: it imports through which the tests reach this one (both links read with ast). Give such a module a test
 #: and move it up: an entry fails once a test file imports the module, or it has a test file of its own.
 ONLY_REACHED_THROUGH: dict[str, tuple[str, str]] = {
     "calibrate/report.py": ("calibrate/test_run.py", "rpb.calibrate.run"),
-    "calibrate/startup.py": ("test_train_start.py", "rpb.train_start"),
+    "calibrate/startup.py": ("train/test_start.py", "rpb.train.start"),
     "collect/dist.py": ("collect/test_collector.py", "rpb.collect.collector"),
     "data/render.py": ("cli/test_prior.py", "rpb.cli.prior"),
     "integrations/megatron/figures.py": ("integrations/megatron/test_router.py", "rpb.integrations.megatron.router"),

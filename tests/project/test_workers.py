@@ -27,7 +27,7 @@ def test_every_file_that_takes_a_shared_fixture_is_in_its_group():
 
 
 def test_a_file_is_its_own_group_unless_it_shares_a_fixture():
-    assert xdist_group_of(TESTS / "test_prior.py") == "test_prior.py"
+    assert xdist_group_of(TESTS / "prior/test_math.py") == "prior/test_math.py"
     assert xdist_group_of(TESTS / "toyworld" / "study" / "test_rl_report.py") == "rl_finished"
     assert xdist_group_of(TESTS / "toyworld" / "grids" / "test_revert_report.py") == "revert_finished"
 
@@ -38,7 +38,11 @@ def test_make_tests_scheduler_sends_each_group_whole_to_one_worker():
     from tests.conftest import pytest_xdist_make_scheduler, scope_of
 
     assert scope_of("tests/toyworld/study/test_rl_report.py::test_a[x]") == "rl_finished"
-    assert scope_of("tests/test_prior.py::test_a") == scope_of("tests/test_prior.py::test_b") == "test_prior.py"
+    assert (
+        scope_of("tests/prior/test_math.py::test_a")
+        == scope_of("tests/prior/test_math.py::test_b")
+        == "prior/test_math.py"
+    )
     options = {"dist": "loadfile", "tx": ["2*popen"]}
     config = SimpleNamespace(getvalue=options.get, option=SimpleNamespace(loadscopereorder=True))
     scheduler = pytest_xdist_make_scheduler(config, None)

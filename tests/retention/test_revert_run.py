@@ -15,13 +15,13 @@ import torch
 
 from rpb.adapters import get_adapter
 from rpb.errors import ArgumentError
-from rpb.lora import LoraSection, apply_lora, save_lora
 from rpb.models import load_causal_lm
 from rpb.retention.revert import POST, REVERTED
 from rpb.retention.revert_run import load_pair, parse_domains, run_revert
 from rpb.retention.run import RoutingMismatchError
 from rpb.testing import replica as build_replica
 from rpb.testing.data import conversations, write_jsonl
+from rpb.train.lora import LoraSection, apply_lora, save_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

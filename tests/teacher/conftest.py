@@ -8,8 +8,8 @@ import json
 import pytest
 
 from rpb.collect.hf_routes import write_routes
-from rpb.config import load_config
 from rpb.testing.data import conversations, write_jsonl
+from rpb.train.config import load_config
 
 MAX_LEN = 192
 

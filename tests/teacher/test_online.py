@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from rpb.errors import ArgumentError
-from rpb.train import prepare_run, run_training
+from rpb.train.run import prepare_run, run_training
 from tests.teacher.conftest import config, log_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -61,8 +61,8 @@ def test_under_lora_the_base_is_the_model_with_adapters_off_and_they_come_back_e
 
 def test_a_model_trained_in_memory_and_merged_adapters_have_no_base_to_recover(setup, tmp_path):
     from rpb.adapters import get_adapter
-    from rpb.lora import LoraSection, apply_lora
     from rpb.teacher import online_base
+    from rpb.train.lora import LoraSection, apply_lora
 
     model = AutoModelForCausalLM.from_pretrained(setup[0])
     facts = get_adapter(model.config.model_type)
@@ -79,8 +79,8 @@ def test_a_model_trained_in_memory_and_merged_adapters_have_no_base_to_recover(s
 
 
 def test_output_kd_is_the_hand_kl_of_the_next_token_distributions(setup, tmp_path):
-    from rpb.train import training_arguments
-    from rpb.trainer import AnchorTrainer
+    from rpb.train.run import training_arguments
+    from rpb.train.trainer import AnchorTrainer
 
     cfg = config(setup, tmp_path / "okd", "output-kd", "anchor.lambda=0.7")
     prepared = prepare_run(cfg, progress=False)
@@ -117,8 +117,8 @@ def test_after_each_base_forward_the_adapters_are_on_and_the_model_computes_the_
     import copy
 
     from rpb.adapters import get_adapter
-    from rpb.lora import LoraSection, apply_lora
     from rpb.teacher import online_base
+    from rpb.train.lora import LoraSection, apply_lora
 
     model = AutoModelForCausalLM.from_pretrained(setup[0])
     facts = get_adapter(model.config.model_type)
@@ -147,8 +147,8 @@ def test_a_model_wrapped_with_adapters_after_the_base_was_taken_drops_its_frozen
     the wrapped model with its adapters disabled, no second copy."""
     from rpb.adapters import get_adapter
     from rpb.anchors import AnchorConfig, install_anchor
-    from rpb.lora import LoraSection, apply_lora
     from rpb.teacher import online_base
+    from rpb.train.lora import LoraSection, apply_lora
 
     model = AutoModelForCausalLM.from_pretrained(setup[0])
     facts = get_adapter(model.config.model_type)

@@ -8,10 +8,9 @@ import json
 import pytest
 
 from rpb.collect.hf_routes import write_routes
-from rpb.config import ConfigError
-from rpb.errors import ArgumentError
+from rpb.errors import ArgumentError, ConfigError
 from rpb.testing.data import conversations, write_jsonl
-from rpb.train import prepare_run, run_training
+from rpb.train.run import prepare_run, run_training
 from tests.teacher.conftest import MAX_LEN, config, log_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,7 +65,7 @@ def test_a_route_file_of_another_model_file_or_labelling_is_refused_naming_each(
 
 def test_the_dry_run_checks_the_route_file_and_the_copy_without_the_model(setup, tmp_path, monkeypatch):
     import rpb.models
-    from rpb.dryrun import DryRunError, dry_run
+    from rpb.train.dryrun import DryRunError, dry_run
 
     model, data, routes, _tmp = setup
     monkeypatch.setattr(rpb.models, "load_causal_lm", lambda *a, **k: pytest.fail("the dry run loaded the model"))
@@ -91,8 +90,8 @@ def test_a_resumed_run_pins_the_route_files_contents_and_older_checkpoints_still
     the base's fields out for a method that reads no base, as checkpoints written before them did."""
     import shutil
 
-    from rpb.checkpoints import run_record
     from rpb.data import file_sha256
+    from rpb.train.checkpoints import run_record
 
     _, _, routes, _ = setup
     cfg = config(setup, tmp_path / "a", "routing-kd", "anchor.base=routes", f"anchor.routes={routes}")

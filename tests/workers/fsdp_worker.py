@@ -1,4 +1,4 @@
-"""Run by tests/test_train_distributed.py under torchrun, once for its three checks (one launch: each costs the
+"""Run by tests/train/test_run_distributed.py under torchrun, once for its three checks (one launch: each costs the
 ranks' start-up): for ``rpb`` and ``kl-to-base``, install the anchor, shard with FSDP2, one step, and rank 0 writes
 the loss, the anchor term and the full router gradients to OUT/<method>.safetensors; then the routing monitor built
 on a sharded model, the routers moved, one forward of each rank's rows, and rank 0 writes its figures to

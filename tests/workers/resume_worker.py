@@ -11,8 +11,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from rpb.config import load_config
-from rpb.train import run_training
+from rpb.train.config import load_config
+from rpb.train.run import run_training
 
 
 class Die(TrainerCallback):

@@ -82,7 +82,7 @@ class AnchorHandle:
     #: inside ``unobserved()``: forwards the taps and the statistics leave out
     _unobserved: bool = False
     #: routing-kd / output-kd: where the base's routing comes from (``rpb.teacher``: ``OnlineBase`` or
-    #: ``StoredRoutes``; ``rpb.train.attach_anchor`` sets it), None for the other methods
+    #: ``StoredRoutes``; ``rpb.train.run.attach_anchor`` sets it), None for the other methods
     teacher: object | None = None
 
     # ---- step context --------------------------------------------------------------

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rpb.artifact import ROUTED_ALL_POSITIONS
 from rpb.errors import RpbError
+from rpb.prior.artifact import ROUTED_ALL_POSITIONS
 
 
 class PriorMismatchError(RpbError):

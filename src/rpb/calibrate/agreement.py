@@ -16,13 +16,13 @@ import torch
 
 from rpb.adapters import find_moe_layers
 from rpb.anchors.verify import PriorMismatchError
-from rpb.artifact_checks import load_prior
 from rpb.calibrate.measure import set_overlap
 from rpb.collect.collector import plan_batches
 from rpb.collect.rows import index_rows, label_rows
 from rpb.data import ChatTemplate, collate
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
 from rpb.observe.trace import RouterTap, route_batch
+from rpb.prior.checks import load_prior
 
 DEFAULT_ROWS = 256
 

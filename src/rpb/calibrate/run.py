@@ -32,8 +32,6 @@ from tqdm.auto import tqdm
 
 from rpb.adapters import MoELayer, find_moe_layers, routers_sha256
 from rpb.anchors import AnchorConfig, AnchorHandle, RunFacts, install_anchor, verify_prior
-from rpb.artifact import prior_kind_of
-from rpb.artifact_checks import load_prior
 from rpb.calibrate import rule
 from rpb.calibrate.measure import SUBSETS, RowSums, ratio_with_ci, same_sets, set_overlap
 from rpb.collect.collector import plan_batches
@@ -43,6 +41,8 @@ from rpb.errors import ArgumentError
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
 from rpb.observe.trace import RouterTap, route_batch
 from rpb.prior import DEFAULT_CLIP, DEFAULT_EPS, clip_prior, router_probs
+from rpb.prior.artifact import prior_kind_of
+from rpb.prior.checks import load_prior
 from rpb.retention.metrics import entropy_bits
 from rpb.routing import select_with_groups
 

@@ -101,7 +101,7 @@ def _routes(args) -> int:
 
 
 def _validate(args) -> int:
-    from rpb.validate import validate_artifact
+    from rpb.train.validate import validate_artifact
 
     report = validate_artifact(
         args.artifact,

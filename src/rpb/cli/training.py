@@ -7,14 +7,14 @@ from rpb.cli.options import model_options
 
 def _train(args) -> int:
     if args.dry_run:
-        from rpb.dryrun import dry_run
+        from rpb.train.dryrun import dry_run
 
         print(dry_run(args.config, args.overrides).summary())
         return 0
-    from rpb.config import load_config
+    from rpb.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    from rpb.train import run_training
+    from rpb.train.run import run_training
 
     out = run_training(cfg, progress=not args.no_progress)
     print(f"saved {out}")

@@ -26,7 +26,6 @@ import torch
 from tqdm.auto import tqdm
 
 from rpb.adapters import MoELayer, RouterFacts, chosen_experts, find_moe_layers, routers_sha256
-from rpb.artifact import PriorArtifact, load_artifact
 from rpb.collect.clip import clip_table, clipped_shares
 from rpb.collect.dist import ranks
 from rpb.collect.record import scan_data
@@ -45,6 +44,7 @@ from rpb.prior import (
     span_counts,
     span_sums,
 )
+from rpb.prior.artifact import PriorArtifact, load_artifact
 
 #: rows per chunk: the unit of writing, of resuming and of sharing out, and the window rows
 #: are batched by length within

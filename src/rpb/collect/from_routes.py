@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from rpb.adapters import checkpoint_routers_sha256
-from rpb.artifact import PriorArtifact, load_artifact
 from rpb.collect.clip import clip_table, clipped_shares
 from rpb.collect.collector import DEFAULT_CHUNK_ROWS
 from rpb.collect.record import scan_data
@@ -38,6 +37,7 @@ from rpb.data.tokens import first_difference
 from rpb.errors import ArgumentError
 from rpb.models import config_sha256, load_tokenizer
 from rpb.prior import NUM_SPANS, selection_sums, span_counts
+from rpb.prior.artifact import PriorArtifact, load_artifact
 from rpb.replay.engines import check_routes
 from rpb.replay.routefile import RouteFile, load_routes
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import rpb
-from rpb.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION
 from rpb.collect.rows import KEEP_TOKENS, RowIndex, scan_rows
 from rpb.data import ChatTemplate, note_truncated
 from rpb.data.reasoning import note_reasoning
 from rpb.prior import SPAN_NAMES
+from rpb.prior.artifact import ROUTED_ALL_POSITIONS, SCHEMA, SCHEMA_VERSION
 
 
 @dataclass

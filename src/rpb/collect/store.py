@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from rpb.artifact import TensorSpec, atomic_save, stream_artifact
 from rpb.errors import RpbError
 from rpb.fileio import write_text_atomic
 from rpb.prior import NUM_SPANS
+from rpb.prior.artifact import TensorSpec, atomic_save, stream_artifact
 
 PARTIAL_SCHEMA = "rpb_prior_partial"
 MANIFEST = "manifest.json"

@@ -7,7 +7,7 @@ written down whole (``MixedData.record``, in ``rpb_run.json``): position p of th
 of source ``order[p][0]`` (0: the training file; i: the i-th extra file). A mixed row trains like any other row.
 
 A prior (or a route file) covers one data file, row by row; a run that reads one cannot take mixed rows, and the
-configuration refuses it (``rpb.config.validate``).
+configuration refuses it (``rpb.train.config.validate``).
 """
 
 from __future__ import annotations

@@ -19,14 +19,14 @@ import torch
 from tqdm.auto import tqdm
 
 from rpb.adapters import find_moe_layers, routers_sha256
-from rpb.artifact import prior_kind_of
-from rpb.artifact_checks import load_prior
 from rpb.data import collate, file_sha256, load_labelled
 from rpb.errors import ArgumentError
 from rpb.experts.choice import SPANS, ExpertChoice, choose, gate_scores, never_selected, selection_ratio
 from rpb.fileio import write_text_atomic
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
 from rpb.observe.trace import RouterTap, route_batch
+from rpb.prior.artifact import prior_kind_of
+from rpb.prior.checks import load_prior
 
 logger = logging.getLogger(__name__)
 

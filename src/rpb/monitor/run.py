@@ -12,14 +12,15 @@ import json
 import tempfile
 from pathlib import Path
 
-from rpb.config import load_config
 from rpb.fileio import write_text_atomic
 from rpb.monitor.asked import asked_from_config
 from rpb.monitor.audit import AuditReport, audit
+from rpb.train.config import load_config
 
 
 def run_audit(config: str, overrides: list[str] = (), rows: int = 4, out: str | None = None) -> AuditReport:
-    from rpb.train import AnchorTrainer, prepare_run, training_arguments
+    from rpb.train.run import prepare_run, training_arguments
+    from rpb.train.trainer import AnchorTrainer
 
     cfg = load_config(config, overrides)
     prepared = prepare_run(cfg, progress=False)

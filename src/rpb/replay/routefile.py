@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from rpb.artifact import atomic_save
 from rpb.errors import RpbError
+from rpb.prior.artifact import atomic_save
 
 ROUTES_SCHEMA = "rpb_routes"
 ROUTES_SCHEMA_VERSION = 1

@@ -18,7 +18,6 @@ import torch
 
 from rpb.adapters import find_moe_layers, router_spec
 from rpb.adapters.hf import expert_bias_of
-from rpb.artifact_checks import load_prior
 from rpb.calibrate import calibrate
 from rpb.collect.clip import clipped_shares
 from rpb.collect.rows import label_rows, scan_rows
@@ -27,6 +26,7 @@ from rpb.fileio import write_json_atomic, write_text_atomic
 from rpb.models import load_base_model, load_tokenizer
 from rpb.observe.hooks import on_router_calls
 from rpb.prior import log_prior_bias
+from rpb.prior.checks import load_prior
 from rpb.routing import select
 
 #: the betas compared (the frequency grid's)

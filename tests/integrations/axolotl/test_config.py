@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rpb.config import ConfigError
+from rpb.errors import ConfigError
 from rpb.integrations.axolotl.config import REPLACES_RPB, read_axolotl_config
 from rpb.monitor.routing import MonitorConfig
 

@@ -23,8 +23,8 @@ import yaml
 from tiktoken.load import load_tiktoken_bpe
 from transformers import AutoTokenizer
 
-from rpb.artifact import load_artifact
 from rpb.collect import collect
+from rpb.prior.artifact import load_artifact
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import ARCHITECTURES
 from tests.hand_routing import hand_select, token_bias

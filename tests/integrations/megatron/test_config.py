@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rpb.artifact import SCHEMA, SCHEMA_VERSION, PriorArtifact, save_artifact
 from rpb.cli import main as rpb_main
-from rpb.config import ConfigError
 from rpb.data import file_sha256
+from rpb.errors import ConfigError
 from rpb.integrations.megatron.bridge import (
     ANCHOR_LOSS_KEY,
     SAMPLE_KEY,
@@ -26,6 +25,7 @@ from rpb.integrations.megatron.bridge import (
     micro_batch,
 )
 from rpb.integrations.megatron.config import PAPER, load_megatron_config
+from rpb.prior.artifact import SCHEMA, SCHEMA_VERSION, PriorArtifact, save_artifact
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "moonlight"
 CONFIG = EXAMPLE / "config.yaml"

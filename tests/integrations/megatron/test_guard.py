@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rpb.anchors.methods import METHODS
-from rpb.config import ConfigError
+from rpb.errors import ConfigError
 from rpb.integrations.megatron.bridge import AnchoredForwardStep, build_container
 from rpb.integrations.megatron.config import load_megatron_config
 from rpb.integrations.megatron.guard import check_container, container_problems

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from rpb.adapters import find_moe_layers, get_adapter
 from rpb.anchors import AnchorConfig, install_anchor
-from rpb.config import ConfigError
+from rpb.errors import ConfigError
 from rpb.integrations.trl import GRPOTrainer
 from rpb.integrations.trl.base_routing import step_routing
 from tests.integrations.trl.test_grpo import PROMPTS, grpo_args, reward

@@ -10,7 +10,7 @@ import torch
 
 from rpb.adapters import find_moe_layers, get_adapter
 from rpb.anchors import AnchorConfig, install_anchor
-from rpb.config import ConfigError
+from rpb.errors import ConfigError
 from rpb.integrations.trl import GRPOConfig, GRPOTrainer
 from rpb.testing.models import ARCHITECTURES, build_tiny_model, randomize_routers
 from tests.hand_losses import RouterRecorder, move_routers, term_gradient

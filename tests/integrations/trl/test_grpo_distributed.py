@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train_distributed import TORCHRUN, run
+from tests.train.test_run_distributed import TORCHRUN, run
 
 WORKER = Path(__file__).resolve().parents[2] / "workers" / "grpo_worker.py"
 

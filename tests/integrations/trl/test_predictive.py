@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 
 from rpb.adapters import find_moe_layers, get_adapter
 from rpb.anchors import AnchorConfig, install_anchor
-from rpb.config import ConfigError
+from rpb.errors import ConfigError
 from rpb.integrations.trl import GRPOTrainer
 from rpb.integrations.trl.predictive import PREDICTOR_FILE
 from rpb.testing.models import build_tiny_model, randomize_routers

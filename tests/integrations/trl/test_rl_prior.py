@@ -11,12 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rpb.anchors import AnchorConfig
-from rpb.artifact import load_artifact
 from rpb.collect import collect
-from rpb.config import ConfigError
 from rpb.data import load_labelled
+from rpb.errors import ConfigError
 from rpb.integrations.trl import GRPOTrainer, prepare_grpo
 from rpb.models import load_tokenizer
+from rpb.prior.artifact import load_artifact
 from rpb.testing.data import conversations, write_jsonl
 from tests.hand_routing import hand_select, token_bias
 from tests.integrations.trl.test_grpo import full_forward_topk, grpo_args, reward

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rpb.config import ConfigError
+from rpb.errors import ConfigError
 from tests.integrations.trl.test_grpo import full_forward_topk, trainer_for, watch_training
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -20,15 +20,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rpb.anchors import METHODS, AnchorConfig, AnchorHandle
-from rpb.artifact import load_artifact
 from rpb.collect import collect
-from rpb.config import ConfigError
 from rpb.data import ExampleDataset
+from rpb.errors import ConfigError
 from rpb.integrations.trl import SFTConfig, SFTTrainer, prepare
 from rpb.models import load_tokenizer
+from rpb.prior.artifact import load_artifact
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import ARCHITECTURES
-from rpb.train import AnchorTrainerMixin
+from rpb.train.trainer import AnchorTrainerMixin
 from tests.hand_losses import Recorded, check_term_in_gradient, move_routers
 from tests.hand_routing import hand_select, token_bias
 

@@ -15,8 +15,9 @@ from pydantic import BaseModel, Field
 
 from rpb.anchors.config import AnchorConfig
 from rpb.anchors.methods import METHODS
-from rpb.config import ConfigError, anchor_problems, build_section
+from rpb.errors import ConfigError
 from rpb.monitor.routing import MonitorConfig
+from rpb.train.config import anchor_problems, build_section
 
 #: the keys of a ``datasets:`` entry the plugin reads; axolotl's per-dataset prompt options (field_messages,
 #: roles_to_train, message_property_mappings, ...) would be ignored by rpb's labelling, so they are refused

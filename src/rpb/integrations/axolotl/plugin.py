@@ -31,7 +31,6 @@ from axolotl.loaders.tokenizer import load_tokenizer
 from axolotl.utils.trainer import calculate_total_num_steps
 
 from rpb.anchors import AnchorHandle
-from rpb.artifact_checks import load_prior
 from rpb.data import AnchorCollator, LabelledData, load_labelled
 from rpb.data.arrow import as_dataset
 from rpb.data.reasoning import note_reasoning
@@ -39,7 +38,9 @@ from rpb.errors import ConfigError
 from rpb.fileio import write_text_atomic
 from rpb.integrations.axolotl.config import AxolotlRun, read_axolotl_config
 from rpb.models import pad_id_of, remote_tokenizer_imports
-from rpb.train import AnchorTrainerMixin, attach_anchor
+from rpb.prior.checks import load_prior
+from rpb.train.run import attach_anchor
+from rpb.train.trainer import AnchorTrainerMixin
 
 logger = logging.getLogger(__name__)
 

@@ -381,9 +381,9 @@ class PreparedData:
 
 def prepare_data(cfg) -> PreparedData:
     """Tokenize and label the data file exactly as the collector did (every bad row reported before launch)."""
-    from rpb.artifact_checks import load_prior
     from rpb.data import load_labelled
     from rpb.models import load_tokenizer
+    from rpb.prior.checks import load_prior
 
     artifact = load_prior(cfg.prior) if cfg.prior else None
     max_seq_len = artifact.metadata["max_seq_len"] if artifact is not None else cfg.train.seq_length

@@ -14,8 +14,9 @@ from typing import Literal
 
 from rpb.anchors.config import AnchorConfig
 from rpb.anchors.methods import LBL, METHODS
-from rpb.config import ConfigError, build_section, read_tree
 from rpb.data.batches import LossOn
+from rpb.errors import ConfigError
+from rpb.train.config import build_section, read_tree
 
 
 @dataclass
@@ -297,9 +298,9 @@ def validate_megatron_config(cfg: MegatronRunConfig) -> list[str]:
 def file_problems(cfg: MegatronRunConfig) -> list[str]:
     """The files the run reads, the prior as ``rpb validate`` checks the file (values, tensor hash), and its
     metadata against the run (before any GPU is touched)."""
-    from rpb.artifact import ArtifactError
-    from rpb.artifact_checks import load_prior
     from rpb.data import file_sha256
+    from rpb.prior.artifact import ArtifactError
+    from rpb.prior.checks import load_prior
 
     out = []
     if not Path(cfg.model.pretrained_checkpoint).is_dir():

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from rpb.anchors.methods import get_method
-from rpb.config import ConfigError
+from rpb.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from rpb.artifact import ROUTED_ALL_POSITIONS
 from rpb.prior import STRUCTURAL
+from rpb.prior.artifact import ROUTED_ALL_POSITIONS
 
 #: Routed-position rules: ``ROUTED_ALL_POSITIONS`` is the collector's (every position of the
 #: right-truncated sequence, recorded in the prior's metadata). Megatron's stock SFT datasets

@@ -49,7 +49,7 @@ import trl
 from trl.trainer.utils import split_tensor_dict
 
 from rpb.anchors import AnchorConfig, install_anchor
-from rpb.config import ConfigError
+from rpb.errors import ConfigError
 from rpb.integrations.trl.base_routing import (
     BASE_ROUTING,
     BaseRoutingCapture,

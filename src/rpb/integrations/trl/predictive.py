@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from rpb.config import ConfigError
+from rpb.errors import ConfigError
 from rpb.replay.predictive import RoutePredictor, predictor_loss
 
 #: the predictor's file in a checkpoint folder

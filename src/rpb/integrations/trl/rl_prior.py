@@ -28,9 +28,9 @@ import datasets
 import torch
 
 from rpb.anchors import AnchorConfig, AnchorHandle
-from rpb.config import ConfigError
 from rpb.data.jsonl import MessagesRow, parse_object, read_jsonl, split_lines
 from rpb.data.tokens import first_difference
+from rpb.errors import ConfigError
 from rpb.integrations.trl.sft import prepare
 from rpb.prior import STRUCTURAL
 

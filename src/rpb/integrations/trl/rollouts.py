@@ -27,7 +27,7 @@ import math
 import torch
 from trl.trainer.utils import pad
 
-from rpb.config import ConfigError
+from rpb.errors import ConfigError
 from rpb.integrations.trl.generation import GenerationState
 from rpb.integrations.trl.rl_prior import rollout_labels
 from rpb.replay import GenerationRecorder, batch_routes, routes_from_sglang, routes_from_vllm

@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 import trl
 
 from rpb.anchors import AnchorConfig, AnchorHandle
-from rpb.artifact_checks import load_prior
-from rpb.config import ConfigError
 from rpb.data import AnchorCollator, LabelledData, LossOn, load_labelled
 from rpb.data.arrow import RPB_COLUMNS, as_dataset
+from rpb.errors import ConfigError
 from rpb.models import pad_id_of
-from rpb.train import AnchorTrainerMixin, attach_anchor
+from rpb.prior.checks import load_prior
+from rpb.train.run import attach_anchor
+from rpb.train.trainer import AnchorTrainerMixin
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ FIRST_ESTIMATE_MINUTES = 2.5
 
 def reference_arm(results: list[dict], arms: tuple[str, ...]) -> str:
     """The arm every method is paired with: ``sft``, or in a grid without it its rpb arm at beta 0,
-    which trains as ``sft`` does bit for bit (tests/test_train.py)."""
+    which trains as ``sft`` does bit for bit (tests/train/test_run.py)."""
     if REFERENCE in arms:
         return REFERENCE
     zero = [a for a in arms if any(r["arm"] == a and r["method"] == "rpb" and _beta_of(r) == 0.0 for r in results)]

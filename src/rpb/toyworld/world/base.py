@@ -41,7 +41,7 @@ from rpb.toyworld.world.tasks import (
     sample,
     to_messages,
 )
-from rpb.train import deterministic_algorithms
+from rpb.train.run import deterministic_algorithms
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from rpb.anchors import AnchorConfig, get_method
-from rpb.config import DataSection, RunConfig, TrainSection
 from rpb.data import file_sha256
 from rpb.errors import RpbError
 from rpb.fileio import atomic_path
@@ -47,6 +46,7 @@ from rpb.toyworld.world.tasks import (
     stable_unit,
     to_messages,
 )
+from rpb.train.config import DataSection, RunConfig, TrainSection
 
 PARTS = ("validation", "test")
 #: the seed the data-mixing rows are drawn with (``mixing_tasks``)
@@ -284,7 +284,7 @@ def train_cell(
 ) -> tuple[Path, float]:
     """``rpb train`` on one cell (``data_mix``: ``data.mix``'s entries); returns the checkpoint directory and the
     training seconds."""
-    from rpb.train import run_training
+    from rpb.train.run import run_training
 
     cfg = RunConfig(
         model=str(base),

@@ -2,7 +2,7 @@
 
 ``run_training`` is the whole ``rpb train`` job: check the prior against the model and data, install the
 anchor, train, remove the anchor, save a plain HF checkpoint. The Trainer with the anchor's step context
-(``AnchorTrainer``, ``AnchorTrainerMixin``) lives in ``rpb.trainer`` and is re-exported here.
+(``AnchorTrainer``, ``AnchorTrainerMixin``) lives in ``rpb.train.trainer``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
 from rpb.anchors import AnchorConfig, AnchorHandle, RunFacts, get_method, install_anchor, verify_prior
 from rpb.anchors.controls import base_communities, base_transition_communities, layer_permutations
 from rpb.anchors.transform import run_transform
-from rpb.artifact import prior_kind_of
-from rpb.artifact_checks import load_prior
-from rpb.checkpoints import CompleteMarker, resolve_resume, run_record, trim_log
-from rpb.config import RunConfig
 from rpb.data import AnchorCollator, ChatTemplate, ExampleDataset, LabelledData, file_sha256, load_labelled
 from rpb.data.dataset import note_truncated
 from rpb.data.reasoning import note_reasoning
@@ -35,9 +31,13 @@ from rpb.errors import ArgumentError
 from rpb.experts.masks import ExpertMask
 from rpb.fileio import write_text_atomic
 from rpb.kernels import SORTED_EXPERTS, TokenMask
-from rpb.lora import LoraSection
 from rpb.models import load_causal_lm, load_tokenizer, pad_id_of
-from rpb.trainer import AnchorTrainer, AnchorTrainerMixin, JsonlLog
+from rpb.prior.artifact import prior_kind_of
+from rpb.prior.checks import load_prior
+from rpb.train.checkpoints import CompleteMarker, resolve_resume, run_record, trim_log
+from rpb.train.config import RunConfig
+from rpb.train.lora import LoraSection
+from rpb.train.trainer import AnchorTrainer, AnchorTrainerMixin, JsonlLog
 
 __all__ = [
     "AnchorTrainer",
@@ -160,7 +160,7 @@ def attach_anchor(
             transform=anchor_cfg.router_transform,
         )
     if lora is not None and lora.enabled:
-        from rpb.lora import apply_lora
+        from rpb.train.lora import apply_lora
 
         set_seed(seed)  # LoRA's A matrices are drawn from the global generator: the run's seed fixes them
         model = apply_lora(model, lora, facts)  # before the anchor: PEFT replaces or copies the routers
@@ -350,7 +350,7 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
     if trainer.is_world_process_zero():
         if resume:
             trim_log(out / "log.jsonl", resume)
-        from rpb.train_start import check_displacement, note_base
+        from rpb.train.start import check_displacement, note_base
 
         check_displacement(cfg, prepared, out / "log.jsonl")
         note_base(prepared.info.get("base"), out / "log.jsonl")
@@ -361,7 +361,7 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
         prepared.handle.remove()
     if cfg.train.save and cfg.lora.enabled:
         if trainer.is_world_process_zero():
-            from rpb.lora import save_lora
+            from rpb.train.lora import save_lora
 
             save_lora(trainer.model, out, cfg.lora.merge)
             prepared.tokenizer.save_pretrained(out)

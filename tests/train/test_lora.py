@@ -16,16 +16,16 @@ from transformers import AutoModelForCausalLM
 
 from rpb.adapters import find_moe_layers, get_adapter
 from rpb.anchors import AnchorConfig, install_anchor
-from rpb.artifact import load_artifact
 from rpb.collect import collect
-from rpb.config import load_config
 from rpb.data import AnchorCollator, ExampleDataset, load_labelled
 from rpb.errors import ArgumentError
-from rpb.lora import LoraSection, apply_lora, routers_frozen_before_lora
 from rpb.models import load_tokenizer
+from rpb.prior.artifact import load_artifact
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import ARCHITECTURES, build_tiny_model
-from rpb.train import run_training
+from rpb.train.config import load_config
+from rpb.train.lora import LoraSection, apply_lora, routers_frozen_before_lora
+from rpb.train.run import run_training
 from tests.hand_routing import hand_select, token_bias
 
 ARCHS = ("moonlight", "qwen3_moe")
@@ -207,7 +207,7 @@ def test_merged_checkpoint_loads_plain_and_matches_the_adapter(setup, arch, tmp_
 
 
 def test_the_lora_section_is_checked(setup, tmp_path):
-    from rpb.config import ConfigError
+    from rpb.errors import ConfigError
 
     model, data, prior = setup["qwen3_moe"]
     with pytest.raises(ConfigError) as e:

@@ -17,15 +17,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import Trainer
 
-from rpb.artifact import load_artifact, save_artifact
-from rpb.checkpoints import MARKER, ResumeError, complete_checkpoints
 from rpb.collect import collect
-from rpb.config import load_config
+from rpb.prior.artifact import load_artifact, save_artifact
 from rpb.testing.data import conversations, write_jsonl
-from rpb.train import run_training
-from rpb.trainer import AnchorTrainerMixin
+from rpb.train.checkpoints import MARKER, ResumeError, complete_checkpoints
+from rpb.train.config import load_config
+from rpb.train.run import run_training
+from rpb.train.trainer import AnchorTrainerMixin
 
-WORKER = Path(__file__).parent / "workers" / "resume_worker.py"
+WORKER = Path(__file__).parents[1] / "workers" / "resume_worker.py"
 # one intra-op thread here and in the killed process: the same kernels, so the same floating-point sums
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,9 +17,9 @@ import yaml
 from rpb.anchors.config import AnchorConfig
 from rpb.anchors.methods import METHODS
 from rpb.data.batches import LossOn
-from rpb.errors import ConfigError as ConfigError  # re-exported: its home before rpb.errors
-from rpb.lora import LoraSection
+from rpb.errors import ConfigError
 from rpb.models import DtypeName
+from rpb.train.lora import LoraSection
 
 # YAML spells Python's reserved word as "lambda"
 _KEY_ALIASES = {"lambda": "lambda_"}
@@ -60,7 +60,7 @@ class TrainSection:
     #: steps into output_dir/checkpoint-<step>/; 0: none (the final model is saved either way)
     save_every: int = 0
     #: "auto": resume from the newest complete checkpoint in output_dir (none: start fresh); or a
-    #: checkpoint directory; None: start fresh. The set-up must be the checkpoint's (rpb.checkpoints)
+    #: checkpoint directory; None: start fresh. The set-up must be the checkpoint's (rpb.train.checkpoints)
     resume_from_checkpoint: str | None = None
     #: an ESFT-style expert config (``rpb experts``): full fine-tuning moves only the routed experts it names
     #: (the others' gradients masked and kept out of weight decay: bit-identical after training), and the

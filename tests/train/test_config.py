@@ -7,7 +7,8 @@ from typing import Literal
 
 import pytest
 
-from rpb.config import ConfigError, build_section, load_config
+from rpb.errors import ConfigError
+from rpb.train.config import build_section, load_config
 
 
 @dataclass

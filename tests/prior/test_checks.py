@@ -25,18 +25,18 @@ from safetensors.torch import load_file, save_file
 import rpb.calibrate.agreement
 import rpb.calibrate.run
 import rpb.models
-import rpb.train
+import rpb.train.run
 from rpb.anchors import AnchorConfig
-from rpb.artifact import METADATA_KEY, ArtifactError, load_artifact, read_metadata, save_artifact
-from rpb.artifact_checks import ROW_SUM_TOLERANCE, load_prior, value_problems
 from rpb.cli import main
 from rpb.collect import collect
 from rpb.integrations.axolotl.config import AxolotlRun, AxolotlSection
 from rpb.integrations.megatron.config import load_megatron_config
-from rpb.validate import validate_artifact
+from rpb.prior.artifact import METADATA_KEY, ArtifactError, load_artifact, read_metadata, save_artifact
+from rpb.prior.checks import ROW_SUM_TOLERANCE, load_prior, value_problems
+from rpb.train.validate import validate_artifact
 from tests.conftest import qa, write_rows
 
-MEGATRON_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "moonlight" / "config.yaml"
+MEGATRON_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "moonlight" / "config.yaml"
 ROWS = [qa(f"What is {i} + {i}?", f"{2 * i}") for i in range(4)]
 #: what each damage makes validate say, first words of the message and the place found by hand
 EXPECTED = {
@@ -124,8 +124,8 @@ def no_model_loads(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("a model was loaded before the prior was checked")
 
-    for module in (rpb.train, rpb.calibrate.run, rpb.calibrate.agreement):
-        name = "load_causal_lm" if module is rpb.train else "load_base_model"
+    for module in (rpb.train.run, rpb.calibrate.run, rpb.calibrate.agreement):
+        name = "load_causal_lm" if module is rpb.train.run else "load_base_model"
         monkeypatch.setattr(module, name, load)
     monkeypatch.setattr(rpb.models, "load_tokenizer", load)  # the Megatron bridge imports it when it runs
 
@@ -244,7 +244,7 @@ def test_a_schema_2_prior_loads_with_one_note(priors, tmp_path, caplog):
     old = priors["old"]
     report = validate_artifact(old)
     assert report.ok and "schema 2: no tensors_sha256, the tensor bytes are not checked" in report.format()
-    with caplog.at_level(logging.WARNING, logger="rpb.artifact_checks"):
+    with caplog.at_level(logging.WARNING, logger="rpb.prior.checks"):
         first = load_prior(old)
         load_prior(old)  # once per file
         assert main(["experts", "--prior", str(old), "--out", str(tmp_path / "experts.json"), "--no-progress"]) == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rpb.artifact import (
+from rpb.prior.artifact import (
     PRIOR_KIND_SCHEMA,
     READABLE_SCHEMA_VERSIONS,
     REQUIRED_METADATA,
@@ -26,7 +26,7 @@ from rpb.artifact import (
     load_artifact,
     tensors_sha256,
 )
-from rpb.prior import PRIOR_KINDS
+from rpb.prior.math import PRIOR_KINDS
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ the anchor's loss term, its routing statistics in the logs, and ``log.jsonl``.
 
 ``AnchorTrainer`` is usable on its own inside a user's Trainer set-up (or its logic copied into TRL's
 SFTTrainer / an Accelerate loop: set the step context around forward *and* backward, add ``handle.loss()``);
-``rpb.train`` builds one for ``rpb train``.
+``rpb.train.run`` builds one for ``rpb train``.
 """
 
 from __future__ import annotations

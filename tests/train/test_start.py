@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from rpb.train_start import note_base
+from rpb.train.start import note_base
 
 
 def test_the_base_is_a_step_zero_record_and_a_run_without_one_writes_none(tmp_path):

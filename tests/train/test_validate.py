@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rpb.artifact import METADATA_KEY, read_metadata
 from rpb.cli import main
 from rpb.collect import collect
-from rpb.validate import validate_artifact
+from rpb.prior.artifact import METADATA_KEY, read_metadata
+from rpb.train.validate import validate_artifact
 from tests.conftest import qa, write_rows
 
 ROWS = [qa(f"What is {i} + {i}?", f"{2 * i}") for i in range(6)]

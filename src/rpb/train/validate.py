@@ -2,7 +2,7 @@
 
 Every problem is collected (none stops the others from being checked); the caller
 prints them all and exits non-zero when there is any. The file's own problems (metadata, tensors,
-values, tensor hash) are ``rpb.artifact_checks``', which every command that reads a prior refuses.
+values, tensor hash) are ``rpb.prior.checks``', which every command that reads a prior refuses.
 The model is judged as ``rpb train`` judges it (``rpb.anchors.verify.model_mismatches``): by its
 routers' fingerprint, top-k, MoE layers and experts, read from the checkpoint's safetensors shards
 without loading it.
@@ -19,11 +19,11 @@ import torch
 from rpb.adapters import checkpoint_routers_sha256
 from rpb.adapters.aliases import register_model_aliases
 from rpb.anchors.verify import model_mismatches
-from rpb.artifact import TENSORS_SHA256, ArtifactError, load_artifact, prior_kind_of
-from rpb.artifact_checks import file_problems, format_problems
 from rpb.collect.clip import clip_table, clipped_shares
 from rpb.data.jsonl import file_sha256, row_digests
 from rpb.errors import RpbError
+from rpb.prior.artifact import TENSORS_SHA256, ArtifactError, load_artifact, prior_kind_of
+from rpb.prior.checks import file_problems, format_problems
 from rpb.retention.metrics import entropy_bits
 
 #: what a frequency prior is, where a report names its kind

@@ -8,9 +8,9 @@ import json
 import logging
 from pathlib import Path
 
-from rpb.config import RunConfig
+from rpb.train.config import RunConfig
 
-logger = logging.getLogger("rpb.train")
+logger = logging.getLogger("rpb.train.run")
 
 
 def _append(log_path: Path, record: dict) -> None:

@@ -10,7 +10,8 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from rpb.config import ConfigError, RunConfig, load_config
+from rpb.errors import ConfigError
+from rpb.train.config import RunConfig, load_config
 
 FUZZ = settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KEYS = ["model", "data_jsonl", "output_dir", "prior", "anchor", "anchor.method", "anchor.beta", "anchor.lambda",

@@ -26,15 +26,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-import rpb.train
+import rpb.train.run
 from rpb.anchors import AnchorHandle
 from rpb.collect import collect
-from rpb.config import load_config
 from rpb.data import AnchorCollator
 from rpb.monitor.run import run_audit
 from rpb.testing.data import write_jsonl
-from rpb.train import prepare_run, run_training
-from rpb.trainer import AnchorTrainer, AnchorTrainerMixin
+from rpb.train.config import load_config
+from rpb.train.run import prepare_run, run_training
+from rpb.train.trainer import AnchorTrainer, AnchorTrainerMixin
 from tests.conftest import qa
 from tests.hand_losses import TERMS, Recorded, RouterRecorder, check_term_in_gradient, move_routers
 
@@ -76,7 +76,7 @@ def train(setup, out, method, *extra, steps=1, every_parameter=False) -> Recorde
             f"train.lr={LR}", "train.log_every=1", "train.calibrate_rows=0", "train.deterministic=true",
             *extra]  # fmt: skip
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(rpb.train, "prepare_run", recording)
+        m.setattr(rpb.train.run, "prepare_run", recording)
         seen.out = run_training(load_config(None, args), progress=False)
     seen.rec.remove()
     return seen
@@ -242,14 +242,14 @@ def test_a_checkpoint_with_the_native_aux_loss_on_trains_without_it(aux_runs, na
 
 def test_mutant_native_aux_loss_left_on_is_caught(aux_runs, native_aux, tmp_path, monkeypatch):
     """install_anchor forgets to turn ``output_router_logits`` off: the model adds its own loss."""
-    install = rpb.train.install_anchor
+    install = rpb.train.run.install_anchor
 
     def leave_it_on(model, *args, **kwargs):
         handle = install(model, *args, **kwargs)
         model.config.output_router_logits = handle.native_output_router_logits
         return handle
 
-    monkeypatch.setattr(rpb.train, "install_anchor", leave_it_on)
+    monkeypatch.setattr(rpb.train.run, "install_anchor", leave_it_on)
     aux = train(native_aux, tmp_path, "sft", every_parameter=True)
     with pytest.raises(AssertionError, match="logged loss"):
         check_no_native_aux_loss(aux_runs[0], aux)
@@ -268,7 +268,7 @@ def evaluate_anchored(setup, tmp_path, method: str, **anchor) -> float:
                              "train.calibrate_rows=0", "train.batch_size=4"])  # fmt: skip
     run = prepare_run(cfg, progress=False)
     move_routers(run.model)  # the loss anchors' terms are not 0
-    args = rpb.train.training_arguments(cfg, progress=False)
+    args = rpb.train.run.training_arguments(cfg, progress=False)
     trainer = AnchorTrainer(model=run.model, args=args, eval_dataset=run.dataset, data_collator=run.collator,
                             anchor=run.handle)  # fmt: skip
     try:

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import rpb.anchors.prior_routing
-import rpb.train
-from rpb.artifact import load_artifact
+import rpb.train.run
 from rpb.collect import collect
-from rpb.config import load_config
+from rpb.prior.artifact import load_artifact
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import ARCHITECTURES
-from rpb.train import run_training
+from rpb.train.config import load_config
+from rpb.train.run import run_training
 from tests.hand_routing import hand_select, token_bias
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,7 +58,7 @@ def recording_run(monkeypatch):
     """Every training forward of runs started inside: its batch's keys and, per router, (logits, chosen
     sets) as the anchor's hook left them. With one step the first batch collated is the one trained on."""
     seen = {"batches": [], "forwards": []}
-    prepare = rpb.train.prepare_run
+    prepare = rpb.train.run.prepare_run
 
     def recording(cfg, progress=True):
         run = prepare(cfg, progress)
@@ -81,7 +81,7 @@ def recording_run(monkeypatch):
         return run
 
     with monkeypatch.context() as m:
-        m.setattr(rpb.train, "prepare_run", recording)
+        m.setattr(rpb.train.run, "prepare_run", recording)
         yield seen
 
 

@@ -3,14 +3,14 @@ model's own facts named as unchecked; the model never loaded."""
 
 import pytest
 
-from rpb.artifact import load_artifact, save_artifact
 from rpb.cli import main
 from rpb.collect import collect
+from rpb.prior.artifact import load_artifact, save_artifact
 from rpb.testing.models import ARCHITECTURES
 from tests.conftest import qa, write_rows
 
 SHORT = [qa("What is 1 + 1?", "2"), qa("Name a colour.", "Blue."), qa("Hi", "Hello")]
-#: rendered, each is well over 128 tokens (the short ones under 80: tests/test_train.py counts them)
+#: rendered, each is well over 128 tokens (the short ones under 80: tests/train/test_run.py counts them)
 LONG = [qa("Say it often.", "again and again " * 40), qa("Count.", " ".join(str(i) for i in range(80)))]
 ROWS = [SHORT[0], LONG[0], SHORT[1], LONG[1], SHORT[2]]
 
@@ -31,18 +31,18 @@ def files(tmp_path_factory, save_tiny):
 def no_model(monkeypatch):
     """The model loaders fail the test if anything calls them.
 
-    rpb.train is imported first and patched too: a module first imported under the patch would bind the fake
+    rpb.train.run is imported first and patched too: a module first imported under the patch would bind the fake
     loader for the rest of the session, and a later test that loads a model would fail.
     """
     import rpb.models
-    import rpb.train
+    import rpb.train.run
 
     def fail(*args, **kwargs):
         raise AssertionError("the dry run loaded the model")
 
     for name in ("load_causal_lm", "load_base_model"):
         monkeypatch.setattr(rpb.models, name, fail)
-    monkeypatch.setattr(rpb.train, "load_causal_lm", fail)
+    monkeypatch.setattr(rpb.train.run, "load_causal_lm", fail)
 
 
 def test_a_dry_run_lists_every_bad_row_as_the_real_run_reports_it(files, tmp_path, capsys, no_model):

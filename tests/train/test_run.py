@@ -11,10 +11,11 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from rpb.anchors import METHODS, PriorMismatchError
 from rpb.collect import collect
-from rpb.config import ConfigError, load_config
+from rpb.errors import ConfigError
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import ARCHITECTURES
-from rpb.train import deterministic_algorithms, run_training
+from rpb.train.config import load_config
+from rpb.train.run import deterministic_algorithms, run_training
 from tests.conftest import qa, write_rows
 
 ARCHS = ("moonlight", "qwen3_moe", "mixtral")
@@ -87,17 +88,17 @@ def test_beta_zero_is_sft_bit_for_bit(setup, arch, tmp_path):
 
 def count_router_calls(monkeypatch):
     """Counts the first router's forward calls in runs started after this (2 per step = recomputed)."""
-    import rpb.train
+    import rpb.train.run
 
     calls = []
-    prepare = rpb.train.prepare_run
+    prepare = rpb.train.run.prepare_run
 
     def counting(cfg, progress=True):
         run = prepare(cfg, progress)
         run.handle.layers[0].moe.router.register_forward_hook(lambda *a: calls.append(1))
         return run
 
-    monkeypatch.setattr(rpb.train, "prepare_run", counting)
+    monkeypatch.setattr(rpb.train.run, "prepare_run", counting)
     return calls
 
 

@@ -17,7 +17,7 @@ from rpb.testing.models import build_tiny_model
 from tests.workers.fsdp_worker import batch, moved_routers, perturb_routers
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-FSDP_WORKER = Path(__file__).parent / "workers" / "fsdp_worker.py"
+FSDP_WORKER = Path(__file__).parents[1] / "workers" / "fsdp_worker.py"
 
 
 def run(cmd, check=True, **kw):

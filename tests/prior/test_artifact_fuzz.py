@@ -15,10 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rpb.artifact import REQUIRED_METADATA, SCHEMA, SCHEMA_VERSION, ArtifactError, PriorArtifact, load_artifact
-from rpb.artifact import save_artifact as save
-from rpb.artifact_checks import ROW_SUM_TOLERANCE, load_prior
-from rpb.validate import validate_artifact
+from rpb.prior.artifact import REQUIRED_METADATA, SCHEMA, SCHEMA_VERSION, ArtifactError, PriorArtifact, load_artifact
+from rpb.prior.artifact import save_artifact as save
+from rpb.prior.checks import ROW_SUM_TOLERANCE, load_prior
+from rpb.train.validate import validate_artifact
 
 FUZZ = settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 N, L, E = 3, 2, 4

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rpb.config import RunConfig, build_section, read_tree, validate
 from rpb.errors import RpbError
+from rpb.train.config import RunConfig, build_section, read_tree, validate
 
 #: what only the model's weights tell, left to the real run (or ``rpb validate --expected-model``)
 UNCHECKED = (
@@ -115,8 +115,8 @@ def _model_fields(cfg: RunConfig, meta: dict, problems: list[str]) -> bool:
     """The prior's routers fingerprint, top-k, MoE layers and experts against the model's checkpoint files, where
     they are on this machine (a folder, or a hub id in the local cache: nothing is downloaded), reading the router
     tensors alone; False where they are not (the real run checks them once it has the model)."""
-    from rpb.artifact import ArtifactError
-    from rpb.validate import check_model, model_dir_of
+    from rpb.prior.artifact import ArtifactError
+    from rpb.train.validate import check_model, model_dir_of
 
     try:
         model_dir_of(cfg.model)
@@ -146,8 +146,8 @@ def _prior(cfg: RunConfig, problems: list[str]) -> dict | None:
     where its values are refused (a real run stops there; the dry run goes on to the rows and settings)."""
     if not cfg.prior or not Path(cfg.prior).is_file():
         return None  # a missing prior is among the configuration's problems
-    from rpb.artifact import ArtifactError, load_artifact
-    from rpb.validate import validate_artifact
+    from rpb.prior.artifact import ArtifactError, load_artifact
+    from rpb.train.validate import validate_artifact
 
     data = cfg.data_jsonl if cfg.data_jsonl and Path(cfg.data_jsonl).is_file() else None
     problems += [f"prior: {p}" for p in validate_artifact(cfg.prior, data_jsonl=data).problems]
@@ -224,9 +224,9 @@ def _stored_routes(cfg: RunConfig, data, problems: list[str]) -> str | None:
 
     from rpb.adapters import checkpoint_routers_sha256, get_adapter
     from rpb.anchors.transform import run_transform
-    from rpb.artifact import ArtifactError
+    from rpb.prior.artifact import ArtifactError
     from rpb.teacher import load_stored_routes
-    from rpb.validate import model_dir_of
+    from rpb.train.validate import model_dir_of
 
     try:
         model_dir = model_dir_of(cfg.model)

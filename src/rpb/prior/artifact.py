@@ -14,7 +14,7 @@ large for memory is written tensor by tensor (``write_streamed``: the safetensor
 8-byte little-endian header length, a JSON header, then the raw little-endian tensor bytes), and
 read memory-mapped (``load_artifact``): the tensors are views of the page cache, so every
 process on a node that loads the same prior shares one copy. ``load_artifact`` reads; what a
-command loads is checked first (``rpb.artifact_checks.load_prior``).
+command loads is checked first (``rpb.prior.checks.load_prior``).
 """
 
 from __future__ import annotations
