@@ -162,6 +162,15 @@ def with_tensors_changed(model_dir: Path, out: Path, change) -> Path:
     return out
 
 
+def coefficient_overrides(method: str, lambda_: float, lbl_coef: float) -> list[str]:
+    """The ``anchor.lambda`` / ``anchor.lbl_coef`` override of whichever coefficient ``method`` reads (none for a
+    method that reads neither: a coefficient it does not read is refused)."""
+    from rpb.anchors import METHODS
+
+    read = METHODS[method].coefficient
+    return {"lambda_": [f"anchor.lambda={lambda_}"], "lbl_coef": [f"anchor.lbl_coef={lbl_coef}"]}.get(read, [])
+
+
 def qa(question: str, answer: str) -> dict:
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
 

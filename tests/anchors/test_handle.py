@@ -307,7 +307,7 @@ def test_methods_without_a_prior_leave_the_forward_native(arch, method):
     model.train()
     with torch.no_grad():
         base = forward(model, input_ids).logits
-    handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.1, lbl_coef=0.01))
+    handle = install_anchor(model, AnchorConfig.for_method(method, lambda_=0.1, lbl_coef=0.01))
     with step(handle), torch.no_grad():
         assert torch.equal(forward(model, input_ids).logits, base)
 
@@ -353,7 +353,7 @@ def test_reentrant_checkpointing_is_refused_for_loss_anchors():
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(arch, method):
     model, routers, pi, input_ids = make_case(arch, seed=3)
     model.train()
-    config = AnchorConfig(method=method, beta=1.0, lambda_=0.1, lbl_coef=0.01)
+    config = AnchorConfig.for_method(method, beta=1.0, lambda_=0.1, lbl_coef=0.01)
     handle = install_anchor(model, config, prior=pi)
     anchor_loss = method not in ("rpb", "rpb-hard")
     if anchor_loss:  # move the routers away from the base so the term and its gradient are not 0
@@ -544,7 +544,7 @@ def test_padding_contents_change_nothing(method):
     tokens nor the loss term; padded tokens keep the native routing."""
     model, routers, pi, input_ids = make_case("qwen3_moe")
     model.train()
-    handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.1, lbl_coef=0.01), prior=pi)
+    handle = install_anchor(model, AnchorConfig.for_method(method, lambda_=0.1, lbl_coef=0.01), prior=pi)
     with torch.no_grad():
         for r in routers:
             r.weight.mul_(1.1)  # away from the base, for the base-router losses

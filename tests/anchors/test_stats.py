@@ -28,7 +28,7 @@ def test_figures_are_the_hand_computed_ones():
         top_k=2,
     )
     out = routing_metrics(
-        {0: s, 1: LayerStats(content=1, load_E=torch.ones(4), top_k=2)}, {0: 1, 1: 3}, loss=True, base=True
+        {0: s, 1: LayerStats(content=1, load_E=torch.ones(4), top_k=2)}, {0: 1, 1: 3}, loss=True, base=True, prior=True
     )
     assert out["moe/layer_1/load_min"] == 0 and out["moe/layer_1/load_max"] == 0.5
     assert out["moe/layer_1/load_cv"] == pytest.approx(np.std(load) / np.mean(load), abs=1e-6)
@@ -39,7 +39,9 @@ def test_figures_are_the_hand_computed_ones():
     assert out["moe/layer_1/base_topk_overlap_current_hidden"] == pytest.approx(5 / 8)
     assert out["moe/mean/dead_experts"] == 0.5 and out["moe/mean/load_max"] == pytest.approx((0.5 + 0.25) / 2)
     assert out["moe/layer_3/utilization_entropy_bits"] == pytest.approx(math.log2(4))
-    assert "moe/layer_1/anchor_loss" not in routing_metrics({0: s}, {0: 1}, loss=False, base=False)
+    bare = routing_metrics({0: s}, {0: 1}, loss=False, base=False, prior=False)
+    assert "moe/layer_1/anchor_loss" not in bare and "moe/layer_1/base_topk_overlap_current_hidden" not in bare
+    assert "moe/layer_1/bias_changed_fraction" not in bare  # a method that reads no prior: no such figure
 
 
 def test_pack_round_trips():

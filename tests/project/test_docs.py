@@ -93,6 +93,13 @@ def test_every_rpb_command_and_option_named_exists(page):
             continue
         options = SUBCOMMANDS[sub]._option_string_actions
         unknown += [f"{sub} {w}" for w in words[2:] if w.startswith("--") and w.split("=")[0] not in options]
+        if sub == "train":  # every positional word is an override: key.sub=value
+            try:
+                parsed = SUBCOMMANDS[sub].parse_known_args(words[2:])[0]
+            except SystemExit:
+                unknown.append(f"{command}: does not parse")
+                continue
+            unknown += [f"{sub} {w}: not key.sub=value" for w in parsed.overrides if "=" not in w]
     assert unknown == []
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from rpb.anchors import METHODS
 from rpb.collect.hf_routes import write_routes
 from rpb.testing.data import conversations, write_jsonl
 from rpb.train.config import load_config
@@ -26,9 +27,10 @@ def setup(tmp_path_factory, save_tiny):
 
 def config(setup, out, method, *overrides, steps=3):
     model, data, _, _ = setup
+    coefficient = ["anchor.lambda=1.0"] if METHODS[method].coefficient == "lambda_" else []  # sft reads none
     return load_config(
         None,
-        [f"model={model}", f"data_jsonl={data}", f"output_dir={out}", f"anchor.method={method}", "anchor.lambda=1.0",
+        [f"model={model}", f"data_jsonl={data}", f"output_dir={out}", f"anchor.method={method}", *coefficient,
          "anchor.router_transform=softmax", f"train.max_steps={steps}", "train.batch_size=4", "train.lr=3e-3",
          "train.log_every=1", f"train.max_seq_len={MAX_LEN}", "train.calibrate_rows=0", *overrides],
     )  # fmt: skip

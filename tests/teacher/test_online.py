@@ -5,6 +5,7 @@ KL, and what has no base to recover, refused by name."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from rpb.train.run import prepare_run, run_training
 from tests.teacher.conftest import config, log_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_online_routing_kd_under_full_fine_tuning_starts_at_zero_and_records_its_copy(setup, tmp_path):
@@ -159,3 +161,22 @@ def test_a_model_wrapped_with_adapters_after_the_base_was_taken_drops_its_frozen
     moved = handle.reinstall(peft)
     assert moved.teacher.mode == "adapters-off" and moved.teacher.module is peft and moved.teacher.copy_bytes == 0
     moved.remove()
+
+
+def test_the_base_runs_without_dropout_so_with_dropout_the_term_at_the_base_is_noise(setup, save_tiny, tmp_path):
+    """The base forward is the teacher, in eval mode: q carries no dropout noise, p does (the training forward). With
+    dropout 0 the term at step 1 (the model is the base) is 0 (the test above); with attention dropout it is not,
+    and docs/methods.md says so. Two base forwards of one batch, the model training, give the same q."""
+    model_dir = save_tiny("moonlight", attention_dropout=0.5)
+    dropout_setup = (model_dir, *setup[1:])
+    out = run_training(config(dropout_setup, tmp_path / "run", "routing-kd", steps=1), progress=False)
+    (term,) = [r["anchor_loss"] for r in log_of(out) if "anchor_loss" in r]
+    assert term > 1e-4  # p under dropout against q without: dropout's noise in the routing
+    run = prepare_run(config(dropout_setup, tmp_path / "again", "routing-kd", steps=1), progress=False)
+    batch = run.collator([run.dataset[i] for i in range(4)])
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    run.model.train()
+    first, second = (run.handle.teacher.step(inputs).logits_LTE for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))  # no dropout in the base's forward
+    text = " ".join((ROOT / "docs" / "methods.md").read_text().split())
+    assert "The base's forward runs without dropout" in text

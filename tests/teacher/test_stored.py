@@ -50,7 +50,9 @@ def test_a_route_file_of_another_model_file_or_labelling_is_refused_naming_each(
     cases = {
         other_model: "routes of another model: router fingerprint",
         other_file: "routes of another data file",
-        cut: r"row 2 \(.*line 3\): the route file's tokens are not rpb's labelling of the row \(the engine saw 100",
+        cut: r"row 2 \(.*line 3\): the route file's tokens \(hf generate \(rpb routes\), vLLM layout\) are not rpb's "
+        r"labelling of the row \(the file's row is 100 tokens, rpb's labelling makes \d+, the one a prefix of the "
+        r"other: made at another max_seq_len than this run's\?",
     }
     for path, message in cases.items():
         cfg = config(setup, tmp_path / "r", "routing-kd", "anchor.base=routes", f"anchor.routes={path}")
@@ -79,7 +81,7 @@ def test_the_dry_run_checks_the_route_file_and_the_copy_without_the_model(setup,
     with pytest.raises(DryRunError) as err:
         dry_run(None, [*common, "anchor.base=routes", f"anchor.routes={cut}", "anchor.base_dtype=float8"])
     text = str(err.value)
-    assert "row 2 (" in text and "the engine saw 100" in text
+    assert "row 2 (" in text and "the file's row is 100 tokens" in text and "another max_seq_len" in text
     assert "anchor.base_dtype: the frozen copy's dtype, read only with anchor.base=online" in text
     with pytest.raises(DryRunError, match=r"anchor.base_dtype: one of"):
         dry_run(None, [*common, "anchor.base_dtype=float8"])

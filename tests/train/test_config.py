@@ -53,3 +53,21 @@ def test_run_config_enumerations_are_checked_with_every_other_problem(tmp_path):
         "prior: required by anchor.method 'rpb' (collect one with `rpb collect`)",
         "train.max_seq_len: required when there is no prior to take it from",
     ]
+
+
+def test_a_setting_the_method_never_reads_is_refused_naming_who_reads_it(tmp_path):
+    """A leftover coefficient (``lambda`` after switching to sft) would train a run other than the one meant,
+    as a leftover ``base_dtype`` would: each is named with the methods that read it."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"data_jsonl={data}", "model=m", "output_dir=o", "train.max_seq_len=64",
+                           "anchor.method=sft", "anchor.lambda=0.1", "anchor.lbl_coef=0.01",
+                           "anchor.base_dtype=bfloat16"])  # fmt: skip
+    assert e.value.problems == [
+        "anchor.lambda: read only by router-l2, kl-to-base, logit-l2, routing-kd, output-kd, not by 'sft'",
+        "anchor.lbl_coef: read only by lbl, not by 'sft'",
+        "anchor.base_dtype: read only by routing-kd and output-kd, not by 'sft'",
+    ]
+    assert load_config(None, [f"data_jsonl={data}", "model=m", "output_dir=o", "anchor.method=kl-to-base",
+                              "anchor.lambda=0.1", "train.max_seq_len=64"]).anchor.lambda_ == 0.1  # fmt: skip

@@ -59,6 +59,7 @@ def test_a_dry_run_lists_every_bad_row_as_the_real_run_reports_it(files, tmp_pat
     assert "configuration OK" not in out and "4 problem(s) a real run would refuse" in err
     for line in real:
         assert f"- data_jsonl: {line}" in err
+    assert "fingerprint" not in err  # no prior is read: no word of the prior's model fields
 
 
 def test_a_dry_run_lists_the_prior_its_settings_and_the_rows_at_once(files, tmp_path, capsys, no_model):
@@ -102,6 +103,11 @@ def test_a_clean_dry_run_says_what_it_checked_and_what_it_left_to_the_run(files,
     assert "5 row(s) labelled, 2 cut to max_seq_len=128" in out  # the two rows built too long
     assert "the prior's routers fingerprint, top-k, MoE layers and experts: checked against the model's" in out
     assert not (tmp_path / "run").exists()
+    args = ["train", f"model={model}", f"data_jsonl={data}", "anchor.method=sft", "train.max_seq_len=128",
+            f"output_dir={tmp_path / 'run'}", "--dry-run"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "configuration OK (anchor.method=sft)" in out and "prior" not in out  # sft reads no prior
 
 
 def test_a_dry_run_refuses_a_prior_made_for_another_model(files, save_tiny, tmp_path, capsys, no_model):

@@ -35,7 +35,7 @@ from rpb.testing.data import write_jsonl
 from rpb.train.config import load_config
 from rpb.train.run import prepare_run, run_training
 from rpb.train.trainer import AnchorTrainer, AnchorTrainerMixin
-from tests.conftest import qa
+from tests.conftest import coefficient_overrides, qa
 from tests.hand_losses import TERMS, Recorded, RouterRecorder, check_term_in_gradient, move_routers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -72,7 +72,7 @@ def train(setup, out, method, *extra, steps=1, every_parameter=False) -> Recorde
         return run
 
     args = [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"output_dir={out}", f"anchor.method={method}",
-            f"anchor.lambda={COEF}", f"anchor.lbl_coef={COEF}", f"train.max_steps={steps}", "train.batch_size=4",
+            *coefficient_overrides(method, COEF, COEF), f"train.max_steps={steps}", "train.batch_size=4",
             f"train.lr={LR}", "train.log_every=1", "train.calibrate_rows=0", "train.deterministic=true",
             *extra]  # fmt: skip
     with pytest.MonkeyPatch.context() as m:

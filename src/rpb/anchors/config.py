@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rpb.anchors.methods import get_method
+from rpb.anchors.methods import METHODS, get_method
 from rpb.errors import ArgumentError
 from rpb.prior import DEFAULT_CLIP, DEFAULT_EPS, ROUTER_TRANSFORMS, RouterTransform
 
@@ -46,6 +46,17 @@ class AnchorConfig:
     routes: str | None = None
     #: anchor.base=online under full fine-tuning: the frozen copy's dtype (None: the training dtype)
     base_dtype: str | None = None
+    #: routing-kd / output-kd: ``model`` is a folder ``rpb train`` saved and its own routing is the one to hold
+    #: (continued training); without it such a folder is refused as the base (``rpb.teacher.lineage``)
+    trained_base: bool = False
+
+    @classmethod
+    def for_method(cls, method: str, *, lambda_: float | None = None, lbl_coef: float | None = None, **settings):
+        """The configuration of ``method`` with whichever of ``lambda_`` / ``lbl_coef`` it reads (a sweep over
+        methods gives both; a coefficient the method does not read is refused by ``problems``)."""
+        read = get_method(method).coefficient
+        given = {"lambda_": lambda_, "lbl_coef": lbl_coef}
+        return cls(method=method, **({read: given[read]} if read is not None else {}), **settings)
 
     def problems(self) -> list[str]:
         """Every problem with this configuration (empty when valid)."""
@@ -56,6 +67,10 @@ class AnchorConfig:
         out = []
         if method.coefficient is not None and getattr(self, method.coefficient) is None:
             out.append(f"anchor.{method.coefficient.rstrip('_')}: required by method {self.method!r} (no default)")
+        for name in ("lambda_", "lbl_coef"):  # a coefficient the method never reads: a run that is not the one meant
+            if name != method.coefficient and getattr(self, name) is not None:
+                readers = ", ".join(m.name for m in METHODS.values() if m.coefficient == name)
+                out.append(f"anchor.{name.rstrip('_')}: read only by {readers}, not by {self.method!r}")
         if not 0 < self.eps <= 1:
             out.append(f"anchor.eps: must be in (0, 1], got {self.eps}")
         if self.c < 1:
@@ -72,6 +87,7 @@ class AnchorConfig:
         out = []
         if teacher is None:
             unused = [f for f in ("routes", "base_dtype") if getattr(self, f) is not None]
+            unused += ["trained_base"] if self.trained_base else []
             out += [f"anchor.{f}: read only by routing-kd and output-kd, not by {self.method!r}" for f in unused]
             return out
         if self.base == "routes":

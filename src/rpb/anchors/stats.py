@@ -81,7 +81,7 @@ def reduce_across_ranks(stats: dict[int, LayerStats]) -> dict[int, LayerStats]:
     return {k: LayerStats.unpack(flat[i], stats[k].top_k) for i, k in enumerate(keys)}
 
 
-def _figures(s: LayerStats, loss: bool, base: bool) -> dict[str, float]:
+def _figures(s: LayerStats, loss: bool, base: bool, prior: bool) -> dict[str, float]:
     share_E = s.load_E / s.load_E.sum().clamp(min=1)
     out = {
         "load_min": float(share_E.min()),
@@ -89,8 +89,9 @@ def _figures(s: LayerStats, loss: bool, base: bool) -> dict[str, float]:
         "load_cv": float(s.load_E.std(unbiased=False) / s.load_E.mean().clamp(min=1e-12)),
         "dead_experts": int((s.load_E == 0).sum()),
         "utilization_entropy_bits": s.utilization_entropy_bits,
-        "bias_changed_fraction": s.changed_fraction,
     }
+    if prior:  # a method that reads no prior changes no expert set: its 0 would say nothing
+        out["bias_changed_fraction"] = s.changed_fraction
     if loss:
         out["anchor_loss"] = s.term_sum / max(s.term_steps, 1)
     if base:
@@ -99,10 +100,18 @@ def _figures(s: LayerStats, loss: bool, base: bool) -> dict[str, float]:
 
 
 def routing_metrics(
-    stats: dict[int, LayerStats], layer_index: dict[int, int], *, loss: bool, base: bool, digits: int = 6
+    stats: dict[int, LayerStats],
+    layer_index: dict[int, int],
+    *,
+    loss: bool,
+    base: bool,
+    prior: bool,
+    digits: int = 6,
 ) -> dict[str, float]:
-    """``moe/layer_{i}/<figure>`` for every recorded layer and ``moe/mean/<figure>`` across them."""
-    per = {pos: _figures(s, loss, base) for pos, s in sorted(stats.items()) if s.load_E is not None}
+    """``moe/layer_{i}/<figure>`` for every recorded layer and ``moe/mean/<figure>`` across them: the anchor's term
+    where it has one (``loss``), the overlap with the frozen base router's sets (``base``), the share of sets the
+    prior changed where it reads one (``prior``)."""
+    per = {pos: _figures(s, loss, base, prior) for pos, s in sorted(stats.items()) if s.load_E is not None}
     out: dict[str, float] = {}
     for pos, figs in per.items():
         out |= {f"moe/layer_{layer_index[pos]}/{k}": round(v, digits) for k, v in figs.items()}

@@ -69,12 +69,17 @@ def row_routes(
     name = row_name(example.index, data_file)
     sent = routes.tokens(example.index)
     if (at := first_difference(sent, list(example.input_ids))) is not None:
-        where = (
-            f"first differing position {at}: the engine saw {sent[at]}, rpb's labelling has {example.input_ids[at]}"
-            if at < min(len(sent), len(example.input_ids))
-            else f"the engine saw {len(sent)} tokens, rpb's labelling makes {len(example.input_ids)}"
-        )
-        return None, [f"{name}: the route file's tokens are not rpb's labelling of the row ({where})"]
+        if at < min(len(sent), len(example.input_ids)):
+            where = (
+                f"first differing position {at}: the file has token {sent[at]}, rpb's labelling {example.input_ids[at]}"
+            )
+        else:  # one a prefix of the other: the same rendering cut at another length
+            where = (
+                f"the file's row is {len(sent)} tokens, rpb's labelling makes {len(example.input_ids)}, the one a "
+                "prefix of the other: made at another max_seq_len than this run's? Make the file at the run's"
+            )
+        made = routes.metadata.get("engine") or "no producer recorded"
+        return None, [f"{name}: the route file's tokens ({made}) are not rpb's labelling of the row ({where})"]
     raw_SXK = routes.routes(example.index).numpy()
     if raw_SXK.shape[0] != len(example):
         return None, [

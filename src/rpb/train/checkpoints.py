@@ -53,7 +53,7 @@ def run_record(
 
 
 #: the anchor fields only routing-kd and output-kd read (``rpb.teacher``)
-TEACHER_FIELDS = ("base", "routes", "base_dtype")
+TEACHER_FIELDS = ("base", "routes", "base_dtype", "trained_base")
 
 
 def _method_record(anchor) -> dict:
@@ -64,6 +64,8 @@ def _method_record(anchor) -> dict:
     from rpb.data import file_sha256
 
     record = dataclasses.asdict(anchor)
+    if not record.get("trained_base"):  # recorded only where set, as checkpoints written before it had none
+        record.pop("trained_base", None)
     method = METHODS.get(anchor.method)
     if method is None or method.teacher is None:
         return {k: v for k, v in record.items() if k not in TEACHER_FIELDS}

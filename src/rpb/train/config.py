@@ -200,7 +200,8 @@ def read_tree(path: str | Path | None, overrides: list[str], problems: list[str]
             raise ConfigError(str(path), [f"expected a mapping of sections, got {type(tree).__name__}"])
     for item in overrides:
         if "=" not in item:
-            problems.append(f"override {item!r}: expected key.sub=value")
+            hint = f" (a YAML file is given as --config {item})" if item.endswith((".yaml", ".yml")) else ""
+            problems.append(f"override {item!r}: expected key.sub=value{hint}")
             continue
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), raw, problems)

@@ -38,10 +38,15 @@ CHECKED = (
 class DryRunError(RpbError):
     """Everything a real ``rpb train`` of this configuration would refuse, listed at once."""
 
-    def __init__(self, source: str, problems: list[str], model_checked: bool = False):
+    def __init__(self, source: str, problems: list[str], model_checked: bool = False, prior: bool = True):
         self.problems = problems
         lines = [f"{source}: {len(problems)} problem(s) a real run would refuse:", *(f"  - {p}" for p in problems)]
-        super().__init__("\n".join([*lines, CHECKED if model_checked else UNCHECKED]))
+        super().__init__("\n".join([*lines, *model_note(prior, model_checked)]))
+
+
+def model_note(prior: bool, model_checked: bool) -> list[str]:
+    """What the dry run says of the prior's model fields: nothing where the run reads no prior."""
+    return [CHECKED if model_checked else UNCHECKED] if prior else []
 
 
 @dataclass
@@ -72,7 +77,7 @@ class DryRun:
             lines.append(f"  prior {self.cfg.prior}: file, values and data OK; chat template and settings match")
         if self.base is not None:
             lines.append(f"  base: {self.base}")
-        return "\n".join([*lines, CHECKED if self.model_checked else UNCHECKED])
+        return "\n".join([*lines, *model_note(bool(self.cfg.prior), self.model_checked)])
 
 
 def dry_run(path: str | Path | None, overrides: list[str] = ()) -> DryRun:
@@ -107,7 +112,7 @@ def dry_run(path: str | Path | None, overrides: list[str] = ()) -> DryRun:
             except RpbError as e:
                 problems.append(f"{where}: {e}")
     if problems:
-        raise DryRunError(report.source, problems, report.model_checked)
+        raise DryRunError(report.source, problems, report.model_checked, prior=bool(cfg.prior))
     return report
 
 
@@ -203,6 +208,9 @@ def _base(cfg: RunConfig, data, problems: list[str]) -> str | None:
     method = METHODS.get(cfg.anchor.method)
     if method is None or method.teacher is None or cfg.anchor.base not in ("online", "routes"):
         return None  # no base to read, or named already by validate
+    from rpb.teacher.lineage import lineage_problems
+
+    problems += lineage_problems(cfg.model, cfg.anchor.trained_base)
     if cfg.anchor.base == "online":
         import torch
 

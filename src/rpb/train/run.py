@@ -34,6 +34,7 @@ from rpb.kernels import SORTED_EXPERTS, TokenMask
 from rpb.models import load_causal_lm, load_tokenizer, pad_id_of
 from rpb.prior.artifact import prior_kind_of
 from rpb.prior.checks import load_prior
+from rpb.teacher.lineage import lineage_problems
 from rpb.train.checkpoints import CompleteMarker, resolve_resume, run_record, trim_log
 from rpb.train.config import RunConfig
 from rpb.train.lora import LoraSection
@@ -146,6 +147,8 @@ def attach_anchor(
         sigma_LE = layer_permutations(labels_LE, num_experts, anchor_cfg.shuffle_seed, method.shuffle, len(layers))
         info["shuffle"] = {"mode": method.shuffle, "seed": anchor_cfg.shuffle_seed, "sigma": sigma_LE.tolist()}
     stored = None
+    if method.teacher is not None and (lineage := lineage_problems(model_id, anchor_cfg.trained_base)):
+        raise ArgumentError("; ".join(lineage))
     if method.teacher is not None and anchor_cfg.base == "routes":
         from rpb.teacher import load_stored_routes
 

@@ -133,7 +133,8 @@ class AnchorTrainerMixin:
             stats = reduce_across_ranks(self.anchor.reset_stats())
             index = {pos: layer.moe.layer_index for pos, layer in enumerate(self.anchor.layers)}
             method = self.anchor.method
-            logs.update(routing_metrics(stats, index, loss=method.loss is not None, base=method.needs_base_router))
+            figures = dict(loss=method.loss is not None, base=method.needs_base_router, prior=method.needs_prior)
+            logs.update(routing_metrics(stats, index, **figures))
         super().log(logs, *args, **kwargs)
 
 

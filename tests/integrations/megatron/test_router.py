@@ -299,7 +299,7 @@ def test_the_loss_anchors_install_beside_megatrons_routing_replay(method):
     routers = build_routers(CASES["softmax"])
     for r in routers:
         r.router_replay = object()  # moe_enable_routing_replay=True: a RouterReplay on every router
-    handle = install_megatron_anchor(routers, AnchorConfig(method=method, lambda_=1.0, lbl_coef=0.01))
+    handle = install_megatron_anchor(routers, AnchorConfig.for_method(method, lambda_=1.0, lbl_coef=0.01))
     assert all("routing" in vars(r) for r in routers)
     handle.remove()
     with pytest.raises(MegatronAnchorError, match="replayed routes would override the biased selection"):

@@ -10,8 +10,10 @@ import torch
 
 from rpb.adapters import find_moe_layers, get_adapter
 from rpb.anchors import AnchorConfig, install_anchor
+from rpb.collect import collect
 from rpb.errors import ConfigError
 from rpb.integrations.trl import GRPOConfig, GRPOTrainer
+from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import ARCHITECTURES, build_tiny_model, randomize_routers
 from tests.hand_losses import RouterRecorder, move_routers, term_gradient
 
@@ -35,8 +37,7 @@ def grpo_args(tmp_path, **overrides) -> GRPOConfig:
 
 
 def anchor_config(method: str) -> AnchorConfig:
-    return AnchorConfig(method=method, lambda_=COEF, lbl_coef=COEF) if method in ("kl-to-base", "router-l2",
-        "logit-l2", "lbl") else AnchorConfig(method=method)  # fmt: skip
+    return AnchorConfig.for_method(method, lambda_=COEF, lbl_coef=COEF)
 
 
 def trainer_for(tok, tmp_path, method="sft", seed=0, arch="qwen3_moe", **overrides):
@@ -275,7 +276,7 @@ def test_rpb_audit_runs_on_a_grpo_trainer(method, tok, tmp_path):
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # left as found
 
 
-def test_the_shipped_grpo_example_runs(tmp_path, capsys):
+def shipped_grpo_example():
     import importlib.util
     from pathlib import Path
 
@@ -283,10 +284,46 @@ def test_the_shipped_grpo_example_runs(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("grpo_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+#: each method the shipped example runs on its own prompts, with the options it needs
+EXAMPLE_RUNS = {
+    "sft": [], "lbl": ["--lbl-coef", "0.1"], "router-l2": ["--lambda", "1"], "kl-to-base": ["--lambda", "1"],
+    "logit-l2": ["--lambda", "1"], "router-freeze": [], "routing-kd": ["--lambda", "1", "--beta", "0.04"],
+}  # fmt: skip
+
+
+def test_the_shipped_grpo_example_runs_every_method_it_offers(tmp_path, capsys, save_tiny):
+    """One step per method (the anchor's term logged where it has one), two steps of the default, whose second
+    update reads the staleness figure; a prior-reading method without its prior, and output-kd, refused by name."""
+    example = shipped_grpo_example()
     assert example.main(["--output-dir", str(tmp_path), "--max-steps", "2"]) == 0
     printed = capsys.readouterr().out
     assert "step 1:" in printed and "routing/rollout_flip_rate" in printed
     assert "step 2:" in printed and "routing/stale_mismatch" in printed  # the batch's second update
+    for method, options in EXAMPLE_RUNS.items():
+        argv = ["--output-dir", str(tmp_path / method), "--max-steps", "1", "--method", method, *options]
+        assert example.main(argv) == 0, method
+        printed = capsys.readouterr().out
+        assert "step 1:" in printed, method
+        assert (f"anchor/{method}" in printed) == (method not in ("sft", "router-freeze")), (method, printed)
+    with pytest.raises(SystemExit):
+        example.main(["--output-dir", str(tmp_path / "rpb"), "--method", "rpb"])
+    assert "--method rpb reads a prior: give --prior and --prompts" in capsys.readouterr().err
+    # with them: the prompts file labelled by prepare_grpo, its prior collected on a saved model (R2: RPB's bias
+    # chooses the first forward's routes, which R3's bias-free rollout routes cannot carry)
+    model_dir = save_tiny("qwen3_moe")
+    prompts, prior = write_jsonl(conversations(4, seed=3), tmp_path / "prompts.jsonl"), tmp_path / "prior.safetensors"
+    collect(str(model_dir), prompts, prior, top_k=TOP_K, max_seq_len=192, progress=False)
+    argv = ["--output-dir", str(tmp_path / "rpb"), "--model", str(model_dir), "--dtype", "float32", "--method", "rpb",
+            "--prior", str(prior), "--prompts", str(prompts), "--replay", "R2", "--max-steps", "1",
+            "--max-completion-length", "8"]  # fmt: skip
+    assert example.main(argv) == 0 and "step 1:" in capsys.readouterr().out
+    assert example.main(["--output-dir", str(tmp_path / "okd"), "--method", "output-kd", "--lambda", "1"]) == 2
+    assert "anchor.method=output-kd in GRPO: TRL's beta is that term" in capsys.readouterr().err
+    assert example.main(["--output-dir", str(tmp_path / "kd0"), "--method", "routing-kd", "--lambda", "1"]) == 2
+    assert "set beta > 0" in capsys.readouterr().err  # routing-kd reads the reference forward's routing
 
 
 def test_r2_forces_the_old_log_prob_forward_where_trl_would_skip_it(tok, tmp_path):

@@ -64,7 +64,7 @@ def anchored(setup, arch, tmp_path, method="rpb", beta=1.0, args=None, **kwargs)
     model_dir, data, prior = setup[arch]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tok = load_tokenizer(str(model_dir))
-    anchor = AnchorConfig(method=method, beta=beta, lambda_=0.1, lbl_coef=0.01)
+    anchor = AnchorConfig.for_method(method, beta=beta, lambda_=0.1, lbl_coef=0.01)
     handle, rows = prepare(model, tok, str(data), anchor, str(prior))
     trainer = SFTTrainer(model, args or SFTConfig(**config(tmp_path)), rows, anchor=handle, processing_class=tok,
                          **kwargs)  # fmt: skip
@@ -204,7 +204,9 @@ def anchored_with_config(setup, arch, tmp_path, method, aux: bool) -> list[float
     if aux:  # a config that asks for a large native load-balancing loss (DeepSeek-V3's declares none: given one)
         model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.5
     tok = load_tokenizer(str(model_dir))
-    handle, rows = prepare(model, tok, str(data), AnchorConfig(method=method, lambda_=0.1, lbl_coef=0.01), str(prior))
+    handle, rows = prepare(
+        model, tok, str(data), AnchorConfig.for_method(method, lambda_=0.1, lbl_coef=0.01), str(prior)
+    )
     # aux: the integration's default; otherwise TRL's own switch, set explicitly
     args = SFTConfig(**config(tmp_path, max_steps=1)) if aux else SFTConfig(**config(tmp_path, max_steps=1),
                                                                              router_aux_loss_coef=0.0)  # fmt: skip
@@ -369,7 +371,9 @@ def trl_step(setup, tmp_path, method: str) -> Recorded:
     model_dir, data, prior = setup["qwen3_moe"]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tok = load_tokenizer(str(model_dir))
-    handle, rows = prepare(model, tok, str(data), AnchorConfig(method=method, lambda_=COEF, lbl_coef=COEF), str(prior))
+    handle, rows = prepare(
+        model, tok, str(data), AnchorConfig.for_method(method, lambda_=COEF, lbl_coef=COEF), str(prior)
+    )
     trainer = SFTTrainer(model, SFTConfig(**config(tmp_path, max_steps=1)), rows, anchor=handle, processing_class=tok)
     move_routers(trainer.model)
     seen = Recorded()

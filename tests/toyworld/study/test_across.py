@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -79,6 +80,14 @@ def test_a_rerun_reads_every_cell_back(ran):
     assert run_grid(GRID, root / "out", root / "cache", progress=False, announce=messages.append) == tables
     assert "6 done, 0 to run" in messages[0]
     assert cost(GRID, studies(GRID, root / "out", root / "cache")) == messages[0]
+    # a grid's own extra cells (the hold grid's retrained cells under revert/) are not runs of the plan
+    extra = root / "out" / "base0" / "revert" / "math_post" / "sft" / "seed0" / "result.json"
+    extra.parent.mkdir(parents=True)
+    try:
+        extra.write_text(next((root / "out" / "base0" / "runs").glob("*/*/*/result.json")).read_text())
+        assert "6 done, 0 to run" in cost(GRID, studies(GRID, root / "out", root / "cache"))
+    finally:
+        shutil.rmtree(root / "out" / "base0" / "revert")
 
 
 def _cell(base, method, seed, id_, ood, **anchor):

@@ -13,8 +13,8 @@ import pytest
 from rpb.cli import main
 from rpb.toyworld.grids import grids
 from rpb.toyworld.study.across import studies
-from rpb.toyworld.study.cells import GridChangedError
-from rpb.toyworld.study.shipping import NotFinishedError, cell_paths, resume_from, ship, ship_base, shipped_studies
+from rpb.toyworld.study.cells import GridChangedError, cell_paths
+from rpb.toyworld.study.shipping import NotFinishedError, resume_from, ship, ship_base, shipped_studies
 
 GRIDS = grids()
 

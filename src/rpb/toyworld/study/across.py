@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rpb.anchors import AnchorConfig
 from rpb.errors import RpbError
-from rpb.toyworld.study.cells import Study
+from rpb.toyworld.study.cells import Study, cell_paths
 from rpb.toyworld.study.claims import judge, verdict_table
 from rpb.toyworld.study.figures import Difference, write_figures
 from rpb.toyworld.study.grid import Grid
@@ -235,7 +235,9 @@ def cost(grid: Grid, sts: list[Study]) -> str:
     (on this machine), or ``FIRST_ESTIMATE_MINUTES`` before the first one."""
     selection = sum(len(grid.candidates[k]) for k in sts[0].selected_keys())
     per_base = len(grid.sets) * len(grid.arms) * len(grid.seeds) + selection
-    done = [json.loads(p.read_text()) for st in sts for p in st.out.glob("**/result.json")]
+    # the runs the plan owes, not every result.json under the folders: a grid's own extra cells (the hold grid's
+    # retrained sft cells under revert/) are not runs of the plan, and counting them read "63 done, -4 to run"
+    done = [json.loads(p.read_text()) for st in sts for p in cell_paths(st) if p.is_file()]
     minutes = [sum(r["seconds"].values()) / 60 for r in done if "seconds" in r]
     each = statistics.fmean(minutes) if minutes else FIRST_ESTIMATE_MINUTES
     left, lanes = per_base * len(sts) - len(done), max(sts[0].lanes, 1)

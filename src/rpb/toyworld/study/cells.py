@@ -335,3 +335,13 @@ def _quiet_loading():
 class _NoBar:
     def update(self, n: int) -> None:
         pass
+
+
+def cell_paths(st: Study) -> list[Path]:
+    """Every result file a base of the grid owes: its cells in the grid's order, then its selection runs."""
+    g = st.grid
+    cells = [
+        st.out / "runs" / s / a.slug / f"seed{seed}" / "result.json" for s in g.sets for a in g.arms for seed in g.seeds
+    ]
+    cells += [st.out / "selection" / f"{k}-{w:g}" / "result.json" for k in st.selected_keys() for w in g.candidates[k]]
+    return cells

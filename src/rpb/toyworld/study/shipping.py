@@ -25,7 +25,7 @@ from pathlib import Path
 from rpb.errors import RpbError
 from rpb.fileio import atomic_path
 from rpb.toyworld.study.across import report_across, studies, study_kind
-from rpb.toyworld.study.cells import GridChangedError, Study, _quiet_loading
+from rpb.toyworld.study.cells import GridChangedError, Study, _quiet_loading, cell_paths
 from rpb.toyworld.study.grid import Grid
 from rpb.toyworld.world.post import PostRecipe
 
@@ -48,16 +48,6 @@ UNFINISHED = "unfinished"
 
 class NotFinishedError(RpbError):
     """A base whose cells are not all finished cannot be shipped."""
-
-
-def cell_paths(st: Study) -> list[Path]:
-    """Every result file a base of the grid owes: its cells in the grid's order, then its selection runs."""
-    g = st.grid
-    cells = [
-        st.out / "runs" / s / a.slug / f"seed{seed}" / "result.json" for s in g.sets for a in g.arms for seed in g.seeds
-    ]
-    cells += [st.out / "selection" / f"{k}-{w:g}" / "result.json" for k in st.selected_keys() for w in g.candidates[k]]
-    return cells
 
 
 def _needs_calibration(grid: Grid) -> bool:
