@@ -71,7 +71,7 @@ def test_the_claims_the_arms_allow_are_judged_and_the_files_written(reported):
     assert {k for k, r in claims.items() if r[4] != "not run"} == {"1", "2", "3", "8"}
     assert claims["4"][4] == claims["8b"][4] == "not run"
     assert f"| 0 | 42 | {study.start_record()['weights_sha256'][:12]} |" in tables
-    assert "lbl " in tables.split("Anchor weights", 1)[1].split("\n", 1)[0]
+    assert "| base 0 | lbl |" in tables.split("### Weights chosen per base", 1)[1]
     shipped = json.loads((out / "results.json").read_text())
     assert len(shipped) == len(results) and all(set(c["rl"]) == {"summary", "arm", "seed", "settings", "seconds"}
                                                 for c in shipped)  # fmt: skip

@@ -74,3 +74,36 @@ def test_the_machine_mix_counts_cells_by_machine_and_threads():
     assert machine_mix(cells) == (
         "Cells ran on: 2 on EPYC at 1 thread, torch not recorded; 1 on EPYC at 1 thread with torch 2.11.0."
     )
+
+
+def test_the_weights_table_lists_each_bases_choice_with_its_candidates_and_flags_the_ends(tmp_path):
+    """A choice at either end of its candidates may be capped by the range (nothing beyond was tried): flagged per
+    base, and the pilot's settings beside them."""
+    import json
+    from types import SimpleNamespace
+
+    from rpb.toyworld.study.tables import edge_of, weights_table
+
+    assert (edge_of(10, (0.01, 10, 1)), edge_of(0.01, (1, 0.01)), edge_of(1, (0.01, 1, 10)), edge_of(3, (3,))) == (
+        "top", "bottom", "", ""
+    )  # fmt: skip
+    studies = []
+    for b, chosen in ((0, {"kd": 10.0, "lbl": 0.01}), (1, {"kd": 1.0, "lbl": 0.001})):
+        (tmp_path / f"b{b}").mkdir()
+        selection = {"criterion": "mean of ID and OOD exact match", "chosen": chosen}
+        (tmp_path / f"b{b}" / "selection.json").write_text(json.dumps(selection))
+        studies.append(SimpleNamespace(out=tmp_path / f"b{b}", base_seed=b, selected_keys=lambda: ["kd", "lbl"]))
+    grid = SimpleNamespace(candidates={"kd": (0.1, 1.0, 10.0), "lbl": (0.001, 0.01, 0.1)},
+                           pilot_choices=(("scale", 50.0, (100.0, 50.0), "base 0, seed 41"),))  # fmt: skip
+    text = weights_table(grid, studies)
+    assert "(mean of ID and OOD exact match; selection.json), and by the pilot before the grid" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("| base") or ln.startswith("| pilot")]
+    assert rows == [
+        "| base 0 | kd | 10 | 0.1, 1, 10 | **top**: nothing beyond was tried |",
+        "| base 0 | lbl | 0.01 | 0.001, 0.01, 0.1 |  |",
+        "| base 1 | kd | 1 | 0.1, 1, 10 |  |",
+        "| base 1 | lbl | 0.001 | 0.001, 0.01, 0.1 | **bottom**: nothing beyond was tried |",
+        "| pilot (base 0, seed 41) | scale | 50 | 50, 100 | **bottom**: nothing beyond was tried |",
+    ]
+    assert "3 of 5 choices at an end of their candidates." in text
+    assert weights_table(SimpleNamespace(candidates={}, pilot_choices=()), []) == ""  # all fixed, no pilot

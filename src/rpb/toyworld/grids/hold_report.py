@@ -20,7 +20,7 @@ from rpb.toyworld.study.claims import verdict_table
 from rpb.toyworld.study.figures import Difference, _figure, _style, _unique, save, write_figures
 from rpb.toyworld.study.report import write_across
 from rpb.toyworld.study.stats import interval, paired_differences, two_stage_bootstrap
-from rpb.toyworld.study.tables import bases_table, machine_mix, mean_sd
+from rpb.toyworld.study.tables import bases_table, machine_mix, mean_sd, weights_table
 from rpb.toyworld.world.generators import DOMAINS
 
 HOLD_FIGURE = "hold.svg"
@@ -194,6 +194,7 @@ def write_hold_report(grid, studies: list, results: list[dict], out: Path, judge
         machine_mix(results + retrained),
         "",
         *(scores_table(results, s, arms) for s in grid.sets),
+        weights_table(grid, studies),
         "### The claims, fixed before the first cell (rpb/toyworld/grids/hold.py), judged by rule",
         "",
         verdict_table(verdicts, "claim (the grid's)"),

@@ -152,6 +152,7 @@ def _grid() -> RLGrid:
         STUDY_POST,
         recipe=recipe,
         candidates={"routing-kd": ROUTING_KD_WEIGHTS},
+        pilot_choices=(("pr2_lr_scale", PILOT["pr2_lr_scale"], PR2_SCALES, f"base {PILOT_BASE}, seed {PILOT_SEED}"),),
         about="GRPO under off-policy pressure: plain, R2, R3, PR2, GSPO, and GRPO (beta) with and without routing-kd",
         claims=judge_rl_stale,
         collapsed=collapsed,

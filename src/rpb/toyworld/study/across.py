@@ -29,7 +29,7 @@ from rpb.toyworld.study.stats import (
     points,
     two_stage_bootstrap,
 )
-from rpb.toyworld.study.tables import bases_table, machine_mix, mean_sd, mechanism_table
+from rpb.toyworld.study.tables import bases_table, machine_mix, mean_sd, mechanism_table, weights_table
 from rpb.toyworld.world.post import PostRecipe
 
 REFERENCE = "sft"
@@ -200,6 +200,8 @@ def report_across(grid, studies: list, results: list[dict], out: Path) -> str:
             "",
             regret_table(results, calibrated),
         ]
+    if weights := weights_table(grid, studies):
+        parts.append(weights)
     verdicts = (grid.claims or judge)(results, grid.sets)
     parts += ["### The paper's claims, judged by rule (docs/toyworld.md)", "", verdict_table(verdicts)]
     tables = "\n".join(parts)

@@ -49,6 +49,9 @@ class Conduct:
     #: with ``coefficients`` given, the weights they do not fix are chosen on validation among ``candidates``
     #: (otherwise a weight they do not fix is refused)
     selects_unfixed: bool = field(default=False, **UNPINNED)
+    #: settings a pilot chose before the grid, for its report (``study.tables.weights_table``): (setting, the
+    #: value chosen, its candidates, where the pilot ran); the chosen values themselves are pinned in the arms
+    pilot_choices: tuple[tuple[str, float, tuple[float, ...], str], ...] = field(default=(), **UNPINNED)
 
 
 def pinned_fields(grid) -> dict:

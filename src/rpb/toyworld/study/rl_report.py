@@ -6,7 +6,6 @@ the grid's claims judged by rule with the minimal detectable difference of each 
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from rpb.toyworld.study.stats import (
     relative_differences,
     two_stage_bootstrap,
 )
-from rpb.toyworld.study.tables import bases_table, machine_mix, mean_sd
+from rpb.toyworld.study.tables import bases_table, machine_mix, mean_sd, weights_table
 
 DOMAINS_SHOWN = ("math", "code", "text", "facts")
 #: the routing columns: (label, the figure under ``result["retention"]``, digits)
@@ -73,16 +72,6 @@ def starts_table(studies: list, recipe: str) -> str:
             f"{100 * t['ood']:.1f} | {100 * v['id']:.1f} | {100 * v['ood']:.1f} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def weights_line(studies: list) -> str:
-    """The anchor weights each base chose on the validation split (its selection.json)."""
-    chosen = [(st.base_seed, json.loads((st.out / "selection.json").read_text())["chosen"]) for st in studies]
-    per_base = "; ".join(f"base {b}: " + ", ".join(f"{m} {w:g}" for m, w in sorted(c.items())) for b, c in chosen)
-    return (
-        "Anchor weights, chosen per base on the validation part (mean of ID and OOD exact match, the first seed; "
-        f"selection.json): {per_base}\n"
-    )
 
 
 def scores_table(results: list[dict], post_set: str, arms: tuple[str, ...], plain: str) -> str:
@@ -187,7 +176,7 @@ def report_rl(grid, studies: list, results: list[dict], out: Path) -> str:
         "",
         bases_table(studies),
         starts_table(studies, grid.start_recipe),
-        weights_line(studies),
+        weights_table(grid, studies),
         scores_table(results, post_set, arms, plain),
         routing_table(results, arms),
         f"### The claims, judged by rule (fixed before the first cell: {source})",

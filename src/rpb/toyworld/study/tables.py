@@ -7,6 +7,7 @@ trained model against the base, on the probe set.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -304,3 +305,45 @@ def mechanism_table(results: list[dict], post_set: str, arms: tuple[str, ...]) -
             values = [mean_sd([c[k] for c in cells if c.get(k) is not None], 3) for k in MECHANISM]
             lines.append(f"| {arm} | " + " | ".join(values) + " |")
     return "\n".join(lines) + "\n"
+
+
+def edge_of(chosen: float, candidates) -> str:
+    """Where a choice sits among its candidates: "bottom" or "top" at either end (the range may cap it: nothing
+    beyond was tried), "" inside."""
+    ordered = sorted(candidates)
+    if len(ordered) < 2:
+        return ""
+    return "bottom" if chosen == ordered[0] else "top" if chosen == ordered[-1] else ""
+
+
+def weights_table(grid, studies: list) -> str:
+    """Each base's anchor weights chosen on the validation part (its selection.json), each with its candidates, and
+    a choice at either end of them flagged; then any setting a pilot chose before the grid. Empty where the grid
+    fixes every weight and ran no pilot."""
+    rows, criteria = [], set()
+    for st in studies:
+        where = Path(st.out) / "selection.json"
+        selection = json.loads(where.read_text()) if where.is_file() else {}
+        criteria.add(selection.get("criterion"))
+        for key in st.selected_keys():
+            if key in selection.get("chosen", {}):
+                rows.append((f"base {st.base_seed}", key, selection["chosen"][key], grid.candidates[key]))
+    pilot = [(f"pilot ({ran})", name, value, candidates) for name, value, candidates, ran in grid.pilot_choices]
+    if not rows + pilot:
+        return ""
+    how = " or ".join(sorted(c for c in criteria if c)) or "the grid's criterion"
+    lines = [
+        f"### Weights chosen per base on the validation part ({how}; selection.json)"
+        + (", and by the pilot before the grid" if pilot else "")
+        + ", with their candidates",
+        "",
+        "| where | setting | chosen | candidates | at an end of its candidates |",
+        "|---|---|---|---|---|",
+    ]
+    for where, key, value, candidates in rows + pilot:
+        edge = edge_of(value, candidates)
+        flag = f"**{edge}**: nothing beyond was tried" if edge else ""
+        lines.append(f"| {where} | {key} | {value:g} | {', '.join(f'{c:g}' for c in sorted(candidates))} | {flag} |")
+    at_edge = sum(bool(edge_of(v, c)) for _, _, v, c in rows + pilot)
+    lines += ["", f"{at_edge} of {len(rows + pilot)} choices at an end of their candidates.", ""]
+    return "\n".join(lines)
