@@ -6,7 +6,10 @@ lazily; and against a bare ``import torch``, the floor any command pays.
 Each command is a fresh interpreter, the three alternating, medians of ``--repeats``. The last line printed is one
 JSON object: seconds per command and ``ratio`` (collect / experiment).
 
-Run: .venv/bin/python benchmarks/cli_startup.py [--repeats 5]
+``--smoke`` starts each command once, without the file-cache warm-up: a check that the script runs, not a
+measurement.
+
+Run: .venv/bin/python benchmarks/cli_startup.py [--repeats 5] [--smoke]
 """
 
 from __future__ import annotations
@@ -31,15 +34,24 @@ def seconds(cmd: list[str]) -> float:
     return time.perf_counter() - started
 
 
-def parse_args() -> argparse.Namespace:
+#: --smoke: each command once (an option given explicitly still wins)
+SMOKE = dict(repeats=1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="each command once, no warm-up")
+    args = p.parse_args(argv)
+    if args.smoke:  # again, on the smoke defaults: an option given explicitly still wins
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    return args
 
 
-def main() -> None:
-    args = parse_args()
-    for cmd in COMMANDS.values():  # warm the file cache once
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    for cmd in COMMANDS.values() if not args.smoke else ():  # warm the file cache once
         seconds(cmd)
     times: dict[str, list[float]] = {name: [] for name in COMMANDS}
     for _ in range(args.repeats):
@@ -48,7 +60,8 @@ def main() -> None:
     medians = {name: round(statistics.median(t), 3) for name, t in times.items()}
     for name, t in times.items():
         print(f"{name}: median {medians[name]:.2f} s of {', '.join(f'{x:.2f}' for x in t)}")
-    print(json.dumps({**medians, "ratio": round(medians["collect_help"] / medians["experiment_help"], 3)}))
+    smoke = {"smoke": True} if args.smoke else {}  # a smoke run's figures are no measurement
+    print(json.dumps({**medians, "ratio": round(medians["collect_help"] / medians["experiment_help"], 3), **smoke}))
 
 
 if __name__ == "__main__":

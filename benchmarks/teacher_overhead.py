@@ -16,7 +16,10 @@ where there is one, forward, backward, AdamW), measured in one process, rounds a
 
 The exit status is 0 whether the targets hold or not; the last line printed is one JSON object.
 
-Run: .venv/bin/python benchmarks/teacher_overhead.py [--steps 8 --warmup 2 --rounds 2 --threads 2]
+``--smoke`` takes one step of every variant, on batches of 4 rows (GRPO: 2 prompts x 2 completions of 4 tokens),
+and judges no target: a check that the script runs, not a measurement.
+
+Run: .venv/bin/python benchmarks/teacher_overhead.py [--steps 8 --warmup 2 --rounds 2 --threads 2] [--smoke]
 """
 
 from __future__ import annotations
@@ -39,16 +42,27 @@ from rpb.train.lora import LoraSection
 
 BASE = Path(__file__).resolve().parents[1] / "bases" / "base0"
 TARGETS = {"lora": 1.6, "frozen_copy": 1.45, "stored": 1.05, "grpo": 1.05}
+#: the GRPO steps' shape: prompts x completions per step, and the completions' length (generation included)
+GRPO_SHAPE = dict(per_device_train_batch_size=16, num_generations=4, max_completion_length=16)
+#: --smoke: one step of every variant (an option given explicitly still wins), on small batches
+SMOKE = dict(steps=1, warmup=0, rounds=1)
+SMOKE_BATCH_SIZE = 4
+SMOKE_GRPO_SHAPE = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=4)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="timed steps per variant and round")
     p.add_argument("--warmup", type=int, default=2, help="steps left out at the start of each run")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--pairs", default=",".join(TARGETS), help="comma-separated, of " + ", ".join(TARGETS))
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="one step of each on small batches, no target judged")
+    args = p.parse_args(argv)
+    if args.smoke:  # again, on the smoke defaults: an option given explicitly still wins
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    return args
 
 
 class StepTimes(TrainerCallback):
@@ -62,9 +76,9 @@ class StepTimes(TrainerCallback):
         self.seconds.append(time.perf_counter() - self._t)
 
 
-def sft_config(out: Path, data: Path, steps: int, method: str, lora: bool, anchor: dict) -> RunConfig:
+def sft_config(out: Path, data: Path, steps: int, method: str, lora: bool, anchor: dict, batch_size: int) -> RunConfig:
     post = PostRecipe()
-    train = TrainSection(max_steps=steps, seed=42, lr=post.lr, batch_size=post.batch_size, warmup_steps=0,
+    train = TrainSection(max_steps=steps, seed=42, lr=post.lr, batch_size=batch_size, warmup_steps=0,
                          max_seq_len=post.max_seq_len, log_every=steps, save=False, calibrate_rows=0,
                          experts_implementation=post.experts_implementation)  # fmt: skip
     return RunConfig(
@@ -86,7 +100,7 @@ def sft_step_times(cfg: RunConfig, warmup: int) -> list[float]:
     return timer.seconds[warmup:]
 
 
-def grpo_step_times(out: Path, steps: int, warmup: int, method: str) -> list[float]:
+def grpo_step_times(out: Path, steps: int, warmup: int, method: str, shape: dict) -> list[float]:
     import datasets
 
     from rpb.anchors import install_anchor
@@ -96,12 +110,13 @@ def grpo_step_times(out: Path, steps: int, warmup: int, method: str) -> list[flo
     tok = load_tokenizer(str(BASE))
     tok.padding_side = "left"
     model = load_causal_lm(str(BASE)).train()
-    anchor = install_anchor(model, AnchorConfig(method=method, lambda_=0.1, router_transform=ROUTER_TRANSFORM))
+    # only the coefficient the method reads (sft reads none): AnchorConfig refuses a leftover one
+    config = AnchorConfig.for_method(method, lambda_=0.1, router_transform=ROUTER_TRANSFORM)
+    anchor = install_anchor(model, config)
     prompts = [{"prompt": t.question} for t in sample("math_post", 64, seed=3)]
-    args = GRPOConfig(output_dir=str(out), max_steps=steps, per_device_train_batch_size=16, num_generations=4,
-                      max_completion_length=16, learning_rate=1e-5, logging_steps=steps, save_strategy="no",
-                      report_to=[], use_cpu=True, seed=7, disable_tqdm=True, beta=0.04, bf16=False,
-                      generation_kwargs={"min_new_tokens": 16})  # fmt: skip
+    args = GRPOConfig(output_dir=str(out), max_steps=steps, **shape, learning_rate=1e-5, logging_steps=steps,
+                      save_strategy="no", report_to=[], use_cpu=True, seed=7, disable_tqdm=True, beta=0.04,
+                      bf16=False, generation_kwargs={"min_new_tokens": shape["max_completion_length"]})  # fmt: skip
 
     def reward(completions, **kwargs):
         return [float(len(c) % 3) for c in completions]
@@ -115,28 +130,29 @@ def grpo_step_times(out: Path, steps: int, warmup: int, method: str) -> list[flo
     return timer.seconds[warmup:]
 
 
-def main() -> None:
-    a = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     torch.set_num_threads(a.threads)
     tmp = Path(tempfile.mkdtemp(prefix="teacher-overhead-"))
-    data = write_rows(sample("math_post", 32 * (a.steps + a.warmup), seed=0), tmp / "math_post.jsonl")
+    batch = SMOKE_BATCH_SIZE if a.smoke else PostRecipe().batch_size
+    grpo = SMOKE_GRPO_SHAPE if a.smoke else GRPO_SHAPE
+    data = write_rows(sample("math_post", batch * (a.steps + a.warmup), seed=0), tmp / "math_post.jsonl")
     routes = tmp / "routes.safetensors"
     from rpb.collect.hf_routes import write_routes
 
     write_routes(str(BASE), data, routes, PostRecipe().max_seq_len, batch_size=64)
     n = a.steps + a.warmup
     kd = {"lambda_": 0.1}
+    stored = kd | {"base": "routes", "routes": str(routes)}
     variants = {
-        "lora_sft": lambda out: sft_step_times(sft_config(out, data, n, "sft", True, {}), a.warmup),
-        "lora_kd": lambda out: sft_step_times(sft_config(out, data, n, "routing-kd", True, kd), a.warmup),
-        "full_sft": lambda out: sft_step_times(sft_config(out, data, n, "sft", False, {}), a.warmup),
-        "full_kd": lambda out: sft_step_times(sft_config(out, data, n, "routing-kd", False, kd), a.warmup),
-        "stored_kd": lambda out: sft_step_times(
-            sft_config(out, data, n, "routing-kd", False, kd | {"base": "routes", "routes": str(routes)}), a.warmup
-        ),
-        "grpo_beta": lambda out: grpo_step_times(out, n, a.warmup, "sft"),
-        "grpo_kd": lambda out: grpo_step_times(out, n, a.warmup, "routing-kd"),
-        "grpo_kl": lambda out: grpo_step_times(out, n, a.warmup, "kl-to-base"),
+        "lora_sft": lambda out: sft_step_times(sft_config(out, data, n, "sft", True, {}, batch), a.warmup),
+        "lora_kd": lambda out: sft_step_times(sft_config(out, data, n, "routing-kd", True, kd, batch), a.warmup),
+        "full_sft": lambda out: sft_step_times(sft_config(out, data, n, "sft", False, {}, batch), a.warmup),
+        "full_kd": lambda out: sft_step_times(sft_config(out, data, n, "routing-kd", False, kd, batch), a.warmup),
+        "stored_kd": lambda out: sft_step_times(sft_config(out, data, n, "routing-kd", False, stored, batch), a.warmup),
+        "grpo_beta": lambda out: grpo_step_times(out, n, a.warmup, "sft", grpo),
+        "grpo_kd": lambda out: grpo_step_times(out, n, a.warmup, "routing-kd", grpo),
+        "grpo_kl": lambda out: grpo_step_times(out, n, a.warmup, "kl-to-base", grpo),
     }
     pairs = {"lora": ("lora_kd", "lora_sft"), "frozen_copy": ("full_kd", "full_sft"),
              "stored": ("stored_kd", "full_sft"), "grpo": ("grpo_kd", "grpo_beta"),
@@ -151,12 +167,15 @@ def main() -> None:
             times[name] += variants[name](tmp / f"{name}-{r}")
     med = {k: statistics.median(v) for k, v in times.items()}
     ratios = {p: med[pairs[p][0]] / med[pairs[p][1]] for p in wanted}
+    judged = {} if a.smoke else TARGETS
     for name, value in ratios.items():
-        print(f"{name}: {value:.3f}" + (f" (target <= {TARGETS[name]})" if name in TARGETS else " (context)"))
+        note = f"target <= {TARGETS[name]}" if name in judged else "context"
+        note = "--smoke: no target judged" if a.smoke and name in TARGETS else note
+        print(f"{name}: {value:.3f} ({note})")
     print(json.dumps({"median_step_seconds": {k: round(v, 4) for k, v in med.items()},
                       "ratios": {k: round(v, 3) for k, v in ratios.items()},
-                      "targets_met": {k: ratios[k] <= TARGETS[k] for k in ratios if k in TARGETS}, "threads": a.threads,
-                      "steps_per_variant": a.steps * a.rounds}))  # fmt: skip
+                      "targets_met": {k: ratios[k] <= TARGETS[k] for k in ratios if k in judged}, "threads": a.threads,
+                      "steps_per_variant": a.steps * a.rounds, **({"smoke": True} if a.smoke else {})}))  # fmt: skip
 
 
 if __name__ == "__main__":

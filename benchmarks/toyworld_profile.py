@@ -14,7 +14,10 @@ JSON object: ``step_s`` per implementation (median), ``step_speedup`` (grouped_m
 ``encode_s`` (tokenising the pool once),
 ``experts_speedup`` (loop / padded, median fwd+bwd), ``max_abs_diff``.
 
-Run: .venv/bin/python benchmarks/toyworld_profile.py [--steps 8 --threads 2]
+``--smoke`` takes one timed step per implementation, and profiles one, on batches of 8 conversations from a pool
+of 128: a check that the script runs, not a measurement.
+
+Run: .venv/bin/python benchmarks/toyworld_profile.py [--steps 8 --threads 2] [--smoke]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -34,12 +38,24 @@ from rpb.testing.tokenizers import moonlight_tokenizer
 from rpb.toyworld.world.base import BaseRecipe, _batch, encode_tasks, training_pool
 from rpb.train.run import deterministic_algorithms
 
+#: steps under the profiler, after the timed ones
+PROFILED = 4
+#: --smoke: one timed step (an option given explicitly still wins), one profiled, small batches from a small pool
+SMOKE = dict(steps=1)
+SMOKE_PROFILED = 1
+SMOKE_RECIPE = dict(pool=128, batch_size=8)
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="timed steps per implementation (after 2 untimed)")
     p.add_argument("--threads", type=int, default=2)
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="one step per implementation on small batches")
+    args = p.parse_args(argv)
+    if args.smoke:  # again, on the smoke defaults: an option given explicitly still wins
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    return args
 
 
 def padded_bmm_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -60,7 +76,7 @@ def padded_bmm_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return torch.zeros_like(hidden_states).index_add(0, token, y_SH.to(hidden_states.dtype))
 
 
-def pretraining_steps(recipe: BaseRecipe, encoded, tokenizer, impl: str, steps: int, profile: bool):
+def pretraining_steps(recipe: BaseRecipe, encoded, tokenizer, impl: str, steps: int, profile: int):
     torch.manual_seed(recipe.seed)
     config = tiny_config("moonlight", len(tokenizer), **recipe.model_overrides())
     model = AutoModelForCausalLM.from_config(config, experts_implementation=impl)
@@ -92,7 +108,7 @@ def pretraining_steps(recipe: BaseRecipe, encoded, tokenizer, impl: str, steps: 
             from torch.profiler import profile as torch_profile
 
             with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                for i in range(2 + steps, 6 + steps):
+                for i in range(2 + steps, 2 + steps + profile):
                     step(i)
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     handle.remove()
@@ -134,10 +150,10 @@ def expert_mlps(recipe: BaseRecipe, vocab: int, tokens: int, rounds: int = 7) ->
     return {"seconds": seconds, "speedup": seconds["loop"] / seconds["padded_bmm"], "max_abs_diff": diff}
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    recipe, tokenizer = BaseRecipe(), moonlight_tokenizer()
+    recipe, tokenizer = replace(BaseRecipe(), **(SMOKE_RECIPE if args.smoke else {})), moonlight_tokenizer()
     started = time.perf_counter()
     encoded = encode_tasks(tokenizer, training_pool(recipe.pool, recipe.seed, recipe.domain_params()))
     encode_s = time.perf_counter() - started
@@ -145,18 +161,20 @@ def main() -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register("padded_bmm", padded_bmm_experts_forward)
+    profiled = SMOKE_PROFILED if args.smoke else PROFILED
     for impl in ("grouped_mm", "eager", "padded_bmm"):
         steps[impl], table, losses[impl] = pretraining_steps(
-            recipe, encoded, tokenizer, impl, args.steps, impl == "grouped_mm"
+            recipe, encoded, tokenizer, impl, args.steps, profiled if impl == "grouped_mm" else 0
         )
         if table:
-            print(f"top operators by self CPU time, {impl} (4 steps):\n{table}")
+            print(f"top operators by self CPU time, {impl} ({profiled} steps):\n{table}")
     width = _batch(encoded[: recipe.batch_size], 0)["input_ids"].shape[1]
     experts = expert_mlps(recipe, len(tokenizer), recipe.batch_size * width)
     print(json.dumps({"step_s": steps, "step_speedup": steps["grouped_mm"] / steps["padded_bmm"],
                       "first_loss": losses, "encode_s": encode_s, "experts_seconds": experts["seconds"],
                       "experts_speedup": experts["speedup"], "max_abs_diff": experts["max_abs_diff"],
-                      "threads": args.threads, "batch_tokens": recipe.batch_size * width}))  # fmt: skip
+                      "threads": args.threads, "batch_tokens": recipe.batch_size * width,
+                      **({"smoke": True} if args.smoke else {})}))  # fmt: skip
 
 
 if __name__ == "__main__":

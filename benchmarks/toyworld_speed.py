@@ -19,7 +19,11 @@ Nothing else may run meanwhile. The last line printed is one JSON object: ``pret
 per rung, ``pretrain_speedup`` and ``cell_speedup`` (reference / the last rung), ``ratio`` (the smaller of the
 two), the machine, the thread count and the lanes.
 
+``--smoke`` climbs the ladder once: one pretraining step per rung on batches of 8 conversations from a pool of
+128, one-step cells on 64 rows in batches of 4, one lane: a check that the script runs, not a measurement.
+
 Run: .venv/bin/python benchmarks/toyworld_speed.py [--steps 12 --rounds 3 --post-steps 500 --threads 2 --lanes 2]
+     [--smoke]
 """
 
 from __future__ import annotations
@@ -51,15 +55,25 @@ from rpb.toyworld.world.post import PostRecipe, train_cell, write_rows
 from rpb.toyworld.world.tasks import sample
 from rpb.train.run import deterministic_algorithms
 
+#: --smoke: one step, one round, one lane (an option given explicitly still wins), small pools and batches
+SMOKE = dict(steps=1, rounds=1, post_steps=1, lanes=1)
+SMOKE_BASE = dict(pool=128, batch_size=8)
+SMOKE_POST = dict(train_rows=64, batch_size=4)
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12, help="timed pretraining steps per path and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the two paths, alternating")
     p.add_argument("--post-steps", type=int, default=500, help="steps of the post-training cell (the recipe: 500)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lanes", type=int, default=2, help="fast cells side by side, one process each")
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="one step per rung, one-step cells, one lane")
+    args = p.parse_args(argv)
+    if args.smoke:  # again, on the smoke defaults: an option given explicitly still wins
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    return args
 
 
 class Rung(NamedTuple):
@@ -124,7 +138,7 @@ class Pretraining:
 
 
 def pretraining(args, tokenizer) -> dict[str, float]:
-    recipe = BaseRecipe()
+    recipe = replace(BaseRecipe(), **(SMOKE_BASE if args.smoke else {}))
     encoded = encode_tasks(tokenizer, training_pool(recipe.pool, recipe.seed, recipe.domain_params()))
     g = torch.Generator().manual_seed(recipe.seed)
     order = torch.randperm(len(encoded), generator=g).tolist()  # the pool's order, as pretrain draws it
@@ -152,7 +166,7 @@ def post_cells(args, tokenizer) -> dict[str, float]:
         model = AutoModelForCausalLM.from_config(tiny_config("moonlight", len(tokenizer), **recipe.model_overrides()))
         model.save_pretrained(base)
         tokenizer.save_pretrained(base)
-        post = PostRecipe(max_steps=args.post_steps)
+        post = PostRecipe(max_steps=args.post_steps, **(SMOKE_POST if args.smoke else {}))
         data = write_rows(sample("math_post", post.train_rows, seed=post.data_seed), Path(tmp) / "math.jsonl")
         for i, rung in enumerate(CELL_LADDER):
             forget_labelled()
@@ -171,8 +185,8 @@ def post_cells(args, tokenizer) -> dict[str, float]:
     return seconds
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     tokenizer = moonlight_tokenizer()
     step_s = pretraining(args, tokenizer)
@@ -188,7 +202,8 @@ def main() -> None:
     pre, cell = step_s[ref] / step_s[fast], cell_s[cref] / cell_s[cfast]
     print(json.dumps({"pretrain_step_s": step_s, "cell_s": cell_s, "pretrain_speedup": pre, "cell_speedup": cell,
                       "ratio": min(pre, cell), "post_steps": args.post_steps, "threads": args.threads,
-                      "lanes": args.lanes, "machine": machine()}))  # fmt: skip
+                      "lanes": args.lanes, "machine": machine(),
+                      **({"smoke": True} if args.smoke else {})}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -70,14 +70,19 @@ def build_inputs(work: Path) -> tuple[Path, Path, Path]:
 
 
 def run_config(work: Path, hf: Path, prior: Path, method: str):
+    from rpb.anchors import METHODS
     from rpb.integrations.megatron.config import load_megatron_config
 
+    # the coefficient only for a method that reads one: a leftover is refused
+    coefficient = {"lambda_": ["anchor.lambda=0.1"], "lbl_coef": ["anchor.lbl_coef=0.01"]}.get(
+        METHODS[method].coefficient, []
+    )
     overrides = [
         f"model.hf_id={hf}", f"model.pretrained_checkpoint={work / 'megatron'}", "model.trust_remote_code=false",
         "parallel.nodes=1", "parallel.gpus_per_node=1", "parallel.tensor=1", "parallel.expert=1",
         "parallel.sequence_parallel=false", "train.steps=10", "train.global_batch_size=4", "train.seq_length=256",
         "train.save_interval=10", f"train.output_dir={work / method}", f"data.root={work / 'data'}",
-        "data.pad_to_multiple=8", f"prior={prior}", f"anchor.method={method}", "anchor.lambda=0.1",
+        "data.pad_to_multiple=8", f"prior={prior}", f"anchor.method={method}", *coefficient,
         "scheduler.lr_decay_iters=10", "scheduler.lr_warmup_iters=1",
     ]  # fmt: skip
     return load_megatron_config(HERE / "config.yaml", overrides)

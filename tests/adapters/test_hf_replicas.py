@@ -29,6 +29,7 @@ from rpb.testing.replicas import (
 )
 from rpb.train.config import load_config
 from rpb.train.run import run_training
+from tests.conftest import coefficient_overrides
 from tests.hand_routing import token_bias
 from tests.test_routing import reference_route
 
@@ -143,7 +144,7 @@ def test_every_family_end_to_end(name, replica, tmp_path):
                 f"prior={prior}",
                 f"output_dir={tmp_path / method}",
                 f"anchor.method={method}",
-                "anchor.lambda=0.1",
+                *coefficient_overrides(method, 0.1, 0.01),
                 "train.max_steps=2",
                 "train.batch_size=2",
                 "train.calibrate_rows=0",

@@ -2,10 +2,12 @@
 
 import hashlib
 import json
+import re
 from collections import Counter
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from rpb.data import load_labelled
 from rpb.data.mix import MixSource, mix, mix_problems
@@ -62,6 +64,26 @@ def test_the_draw_follows_the_seed_alone(files):
     assert _mixed(files, seed=7).record["order"] != _mixed(files).record["order"]
 
 
+def test_the_replaced_places_are_the_documented_draw_and_move_with_the_seed(files):
+    """docs/training.md: the places are drawn without replacement with data.seed, then each file's rows the same
+    way, file after file. Written out here with torch.randperm, one generator per seed; over 40 seeds every
+    training row is replaced some time, so no place is kept from the draw (the first rows always, say)."""
+    replaced = Counter()
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        places = torch.randperm(20, generator=g)[:7].tolist()
+        picks = [(1, r) for r in torch.randperm(10, generator=g)[:4].tolist()]
+        picks += [(2, r) for r in torch.randperm(5, generator=g)[:3].tolist()]
+        expected = [[0, p] for p in range(20)]
+        for place, pick in zip(places, picks, strict=True):
+            expected[place] = list(pick)
+        order = _mixed(files, seed=seed).record["order"]
+        assert order == expected, seed
+        replaced.update(p for p, (source, _) in enumerate(order) if source != 0)
+    assert sorted(replaced) == list(range(20)), "a training row never replaced in 40 draws"
+    assert max(replaced.values()) < 40, "a place replaced whatever the seed"
+
+
 def test_a_file_shorter_than_its_share_is_refused_by_name(files):
     with pytest.raises(ConfigError, match=r"code\.jsonl: share 0\.3 of 20 rows asks for 6 rows, the file has 5"):
         _mixed(files, shares=(0.2, 0.3))
@@ -110,24 +132,53 @@ def test_a_method_that_reads_a_prior_refuses_a_mix(files, save_tiny, tmp_path):
         load_config(None, args)
 
 
-def test_a_run_trains_every_mixed_row_once_an_epoch_and_records_the_order(files, save_tiny, tmp_path, monkeypatch):
-    """One epoch of 20 rows in batches of 4 (5 steps): the batches' positions, read from the collator, are each
-    position once, and rpb_run.json holds the order that maps them to their files."""
+class TrainedRows(TrainerCallback):
+    """The input ids and labels of every training forward, read by a forward pre-hook on the Trainer's model."""
+
+    def __init__(self):
+        self.forwards: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.hook = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def read(module, a, kw):
+            self.forwards.append((kw["input_ids"].detach().clone(), kw["labels"].detach().clone()))
+
+        self.hook = model.register_forward_pre_hook(read, with_kwargs=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.hook.remove()
+
+
+@pytest.fixture(scope="module")
+def mixed_run(files, save_tiny, tmp_path_factory):
+    """One epoch of 20 mixed rows in batches of 4 (5 steps): the positions of each batch, read from the collator,
+    and the ids and labels of each training forward."""
     from rpb.data import batches
 
     paths, _ = files
-    seen: list[int] = []
+    out = tmp_path_factory.mktemp("mixed-run") / "out"
+    positions: list[list[int]] = []
     collate = batches.AnchorCollator.__call__
 
     def recording(self, features):
-        seen.extend(f["sample_index"] for f in features)
+        positions.append([f["sample_index"] for f in features])
         return collate(self, features)
 
-    monkeypatch.setattr(batches.AnchorCollator, "__call__", recording)
+    trained = TrainedRows()
     mix_arg = f"data.mix=[{{path: {paths['math']}, share: 0.2}}, {{path: {paths['code']}, share: 0.15}}]"
     steps = ["train.max_steps=5", "train.batch_size=4", "train.save_every=0", "train.log_every=1"]
-    cfg = load_config(None, _config(save_tiny("moonlight"), paths["main"], tmp_path / "out", *steps, mix_arg))
-    out = run_training(cfg, progress=False)
+    cfg = load_config(None, _config(save_tiny("moonlight"), paths["main"], out, *steps, mix_arg))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batches.AnchorCollator, "__call__", recording)
+        run_training(cfg, progress=False, callbacks=[trained])
+    return out, positions, trained.forwards
+
+
+def test_a_run_trains_every_mixed_row_once_an_epoch_and_records_the_order(files, mixed_run):
+    """The batches' positions, read from the collator, are each position once, and rpb_run.json holds the order
+    that maps them to their files."""
+    out, positions, _ = mixed_run
+    seen = [p for batch in positions for p in batch]
     record = json.loads((out / "rpb_run.json").read_text())["data_mix"]
     assert record == _mixed(files).record
     assert sorted(seen) == list(range(20)), "every mixed row once in the epoch"
@@ -135,6 +186,28 @@ def test_a_run_trains_every_mixed_row_once_an_epoch_and_records_the_order(files,
     assert sources == {0: 13, 1: 4, 2: 3}
     losses = [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines() if '"loss"' in line]
     assert losses and all(torch.isfinite(torch.tensor(v)) for v in losses)
+
+
+def test_each_position_trains_the_tokens_of_the_row_its_record_names(moon_tok, mixed_run):
+    """The record could name the mixed rows while the model trains the training file's own: each forward's rows
+    are decoded here and must read the question and the trained answer of the row ``order[p]`` names (each row's
+    text names its file and its row)."""
+    out, positions, forwards = mixed_run
+    order = json.loads((out / "rpb_run.json").read_text())["data_mix"]["order"]
+    names = ("main", "math", "code")
+    assert len(forwards) == 5 and len(positions) >= 5
+    mixed_trained = 0
+    for batch, (ids_BS, labels_BS) in zip(positions, forwards, strict=False):
+        assert ids_BS.shape[0] == len(batch)
+        for position, ids_S, labels_S in zip(batch, ids_BS, labels_BS, strict=True):
+            source, row = order[position]
+            name = names[source]
+            text = moon_tok.decode(ids_S.tolist())  # right padding after the row: the question stays whole
+            answer = moon_tok.decode(labels_S[labels_S != -100].tolist())
+            assert f"<|im_middle|>{name} question {row}?<|im_end|>" in text, (position, order[position], text)
+            assert re.fullmatch(rf"{name} {row}<\|im_end\|>", answer), (position, order[position], answer)
+            mixed_trained += source != 0
+    assert mixed_trained == 7, "the 7 mixed rows trained"
 
 
 def test_the_dry_run_labels_the_mixed_files_and_says_what_it_takes(files, save_tiny, tmp_path):

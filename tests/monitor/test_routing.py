@@ -338,3 +338,78 @@ def test_with_the_base_forward_at_hand_the_routing_drift_is_read_against_the_bas
     assert figures["routing/mean/base_forward_kl"] > 1e-4
     monitor.remove()
     handle.remove()
+
+
+def deepseek_v3_topk(logits_TE, bias_E, groups: int, kept_groups: int, k: int) -> list[set[int]]:
+    """DeepSeek-V3's rule written out: sigmoid scores plus the correction bias, a group's score the sum of its two
+    best, the best ``kept_groups`` groups kept, then the top k of their experts."""
+    scores = torch.sigmoid(logits_TE.double()) + bias_E.double()
+    out = []
+    for row in scores.tolist():
+        size = len(row) // groups
+        group_score = [sum(sorted(row[g * size : (g + 1) * size])[-2:]) for g in range(groups)]
+        kept = sorted(range(groups), key=lambda g: -group_score[g])[:kept_groups]
+        allowed = [e for e in range(len(row)) if e // size in kept]
+        out.append(set(sorted(allowed, key=lambda e: -row[e])[:k]))
+    return out
+
+
+def test_the_base_forward_overlap_on_a_family_with_bias_and_groups_is_the_routers_own(save_tiny):
+    """DeepSeek-V3 with a correction bias and expert groups: the base's choice on its own forward is the base
+    router's own top-k (its frozen bias included), read here by hooks on each router's returned ids; a rule
+    without the bias would choose otherwise on this case."""
+    from rpb.anchors import AnchorConfig, install_anchor
+    from rpb.models import load_causal_lm
+    from rpb.teacher import online_base
+
+    arch = "deepseek_v3_grouped"
+    model_dir = save_tiny(arch)
+    config = ARCHITECTURES[arch][1]
+    groups, kept_groups, k = config["n_group"], config["topk_group"], config["num_experts_per_tok"]
+    model = load_causal_lm(str(model_dir)).train()
+    facts = get_adapter("deepseek_v3")
+    handle = install_anchor(model, AnchorConfig(method="routing-kd", lambda_=1.0))
+    handle.teacher = online_base(model, facts, model_id=str(model_dir), dtype=None, outputs=False)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # the hidden states drift, the routers do not
+        for name, p in model.named_parameters():
+            if "self_attn" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.5 * p.std())
+    monitor = RoutingMonitor(model, anchor=handle).attach()
+    ids = torch.randint(5, model.config.vocab_size, (2, 16), generator=gen)
+    labels = ids.clone()
+    labels[:, :4] = -100
+    base = load_causal_lm(str(model_dir)).eval()
+    now, own = {}, {}  # layer -> (logits, top-k ids) as each router returned them
+    keep = lambda seen, p: lambda mod, a, out: seen.__setitem__(p, (out[0].detach(), out[2].detach()))  # noqa: E731
+    hooks = [m.router.register_forward_hook(keep(now, p), prepend=True)
+             for p, m in enumerate(find_moe_layers(model, facts))]  # fmt: skip
+    base_layers = find_moe_layers(base, facts)
+    hooks += [m.router.register_forward_hook(keep(own, p)) for p, m in enumerate(base_layers)]
+    with torch.no_grad():
+        base(input_ids=ids)
+    sample = torch.zeros_like(ids)
+    with handle.step(sample, torch.ones_like(ids), torch.ones_like(ids)) as ctx:
+        ctx.base = handle.base_routing({"input_ids": ids}, sample)
+        with torch.no_grad():
+            model(input_ids=ids, labels=labels)
+    for h in hooks:
+        h.remove()
+    figures = monitor.flush()
+    counted = (labels != -100).reshape(-1)
+    overlaps, unbiased = [], []
+    for pos, layer in enumerate(base_layers):
+        mine = [set(r) for r in now[pos][1][counted].tolist()]
+        theirs = [set(r) for r in own[pos][1][counted].tolist()]
+        logits, bias = own[pos][0][counted], layer.router.e_score_correction_bias
+        assert bias.abs().sum() > 0 and groups > kept_groups  # the case has both
+        assert deepseek_v3_topk(logits, bias, groups, kept_groups, k) == theirs  # the rule above is the router's
+        without = deepseek_v3_topk(logits, torch.zeros_like(bias), groups, kept_groups, k)
+        overlaps.append(sum(len(a & b) for a, b in zip(mine, theirs, strict=True)) / (k * len(mine)))
+        unbiased.append(sum(len(a & b) for a, b in zip(mine, without, strict=True)) / (k * len(mine)))
+    assert figures["routing/mean/topk_overlap"] == 1.0  # the routers have not moved
+    figure = figures["routing/mean/base_forward_topk_overlap"]
+    assert figure == pytest.approx(sum(overlaps) / len(overlaps), abs=1e-12)
+    assert abs(figure - sum(unbiased) / len(unbiased)) > 0.02, "the case does not tell the bias's part"
+    monitor.remove()
+    handle.remove()

@@ -15,6 +15,7 @@ from tests.mutants import (
     more_rl_grid,
     more_rl_paths,
     more_routes,
+    more_silent,
     more_split,
 )
 from tests.mutants.harness import Mutant
@@ -838,4 +839,5 @@ MUTANTS: tuple[Mutant, ...] = (
     *more_routes.MUTANTS,
     *more_rl_paths.MUTANTS,
     *more_hold.MUTANTS,
+    *more_silent.MUTANTS,
 )

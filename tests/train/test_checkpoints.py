@@ -24,6 +24,7 @@ from rpb.train.checkpoints import MARKER, ResumeError, complete_checkpoints
 from rpb.train.config import load_config
 from rpb.train.run import run_training
 from rpb.train.trainer import AnchorTrainerMixin
+from tests.conftest import coefficient_overrides
 
 WORKER = Path(__file__).parents[1] / "workers" / "resume_worker.py"
 # one intra-op thread here and in the killed process: the same kernels, so the same floating-point sums
@@ -44,8 +45,9 @@ def setup(tmp_path_factory, save_tiny):
 def overrides(setup, out, method, *extra):
     model, data, prior = setup
     return [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"output_dir={out}", f"anchor.method={method}",
-            "anchor.lambda=0.1", "train.max_steps=3", "train.batch_size=4", "train.lr=1e-2", "train.log_every=1",
-            "train.deterministic=true", "train.calibrate_rows=0", "train.save_every=1", *extra]  # fmt: skip
+            *coefficient_overrides(method, 0.1, 0.01), "train.max_steps=3", "train.batch_size=4", "train.lr=1e-2",
+            "train.log_every=1", "train.deterministic=true", "train.calibrate_rows=0", "train.save_every=1",
+            *extra]  # fmt: skip
 
 
 def train(args):

@@ -26,6 +26,7 @@ from rpb.testing.models import ARCHITECTURES, build_tiny_model
 from rpb.train.config import load_config
 from rpb.train.lora import LoraSection, apply_lora, routers_frozen_before_lora
 from rpb.train.run import run_training
+from tests.conftest import coefficient_overrides
 from tests.hand_routing import hand_select, token_bias
 
 ARCHS = ("moonlight", "qwen3_moe")
@@ -50,8 +51,8 @@ def train(setup, arch, out, method="rpb", *overrides):
     model, data, prior = setup[arch]
     cfg = load_config(None, [
         f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"output_dir={out}", f"anchor.method={method}",
-        "anchor.lambda=0.1", "train.max_steps=2", "train.batch_size=4", "train.lr=1e-2", "train.log_every=1",
-        "train.calibrate_rows=0", "lora.rank=4", "lora.alpha=8", *overrides,
+        *coefficient_overrides(method, 0.1, 0.01), "train.max_steps=2", "train.batch_size=4", "train.lr=1e-2",
+        "train.log_every=1", "train.calibrate_rows=0", "lora.rank=4", "lora.alpha=8", *overrides,
     ])  # fmt: skip
     return run_training(cfg, progress=False)
 

@@ -14,6 +14,7 @@ from rpb.anchors import AnchorConfig, install_anchor
 from rpb.collect import collect
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import build_tiny_model
+from tests.conftest import coefficient_overrides
 from tests.workers.fsdp_worker import batch, moved_routers, perturb_routers
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -51,7 +52,7 @@ def one_process(save_tiny, tmp_path_factory):
 
     def one(method: str) -> tuple[list[str], Path]:
         common = [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"anchor.method={method}",
-                  "anchor.lambda=0.1", "train.max_steps=3", "train.lr=1e-3", "train.log_every=1",
+                  *coefficient_overrides(method, 0.1, 0.01), "train.max_steps=3", "train.lr=1e-3", "train.log_every=1",
                   "--no-progress"]  # fmt: skip
         if method not in done:
             done[method] = tmp / method
@@ -104,7 +105,7 @@ def test_fsdp2_sharded_install_matches_unsharded(method, fsdp_runs):
     # the same step without sharding, in this process
     model = build_tiny_model("moonlight", 107).train()
     prior = torch.softmax(torch.randn(4, 2, 2, 8, generator=torch.Generator().manual_seed(1)) * 3, -1)
-    handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.5), prior=prior)
+    handle = install_anchor(model, AnchorConfig.for_method(method, lambda_=0.5), prior=prior)
     perturb_routers(model)
     ids, sample, span = batch()
     grads, losses = {}, []

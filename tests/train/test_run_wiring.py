@@ -264,7 +264,7 @@ def evaluate_anchored(setup, tmp_path, method: str, **anchor) -> float:
     """The Trainer's eval_loss on the training rows with ``method`` installed (``beta`` far from 0)."""
     model, data, prior, _ = setup
     cfg = load_config(None, [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"output_dir={tmp_path}",
-                             f"anchor.method={method}", "anchor.beta=8", f"anchor.lambda={COEF}",
+                             f"anchor.method={method}", "anchor.beta=8", *coefficient_overrides(method, COEF, COEF),
                              "train.calibrate_rows=0", "train.batch_size=4"])  # fmt: skip
     run = prepare_run(cfg, progress=False)
     move_routers(run.model)  # the loss anchors' terms are not 0

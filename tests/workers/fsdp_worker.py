@@ -72,7 +72,7 @@ def sharded_step(method: str, out_path: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_tiny_model("moonlight", 107).train()
     prior = torch.softmax(torch.randn(4, 2, 2, 8, generator=torch.Generator().manual_seed(1)) * 3, -1)
-    handle = install_anchor(model, AnchorConfig(method=method, lambda_=0.5), prior=prior)
+    handle = install_anchor(model, AnchorConfig.for_method(method, lambda_=0.5), prior=prior)
     perturb_routers(model)
     for layer in model.model.layers:
         fully_shard(layer)

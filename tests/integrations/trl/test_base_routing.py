@@ -162,3 +162,43 @@ def test_what_grpo_cannot_serve_is_refused_by_name(method, base, overrides, mess
     data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS[:4]])
     with pytest.raises(ConfigError, match=message):
         GRPOTrainer(model, reward, grpo_args(tmp_path, **overrides), data, processing_class=tok, anchor=anchor)
+
+
+def test_at_learning_rate_zero_each_replay_mode_reads_what_docs_rl_md_says(tok, save_tiny, tmp_path):
+    """Identical weights and rollouts in every mode (learning rate 0, one seed). Off, R2 and PR2 train the batch's
+    first update on the router's own routing: their flip rate, routing-kd term and base-forward overlap are one
+    figure each (the term 0 and the overlap 1: the policy is the reference). R3 trains it on the rollout's routes:
+    it logs the share of choices it overrides instead of a flip rate, and every token's routing agrees with the
+    rollout's (no `_disagreed` gap) (docs/rl.md, "What each figure reads under each mode")."""
+    from rpb.monitor import attach_monitor
+    from rpb.testing.models import build_tiny_model, randomize_routers
+
+    # routers of small weights, near-tied choices: rollouts in bfloat16 (training in float32) then route otherwise
+    model = build_tiny_model("qwen3_moe", len(tok), seed=0)
+    randomize_routers(model, seed=3, scale=0.05)
+    model.save_pretrained(tmp_path / "near-ties")
+    logs = {}
+    for mode in ("off", "R2", "PR2", "R3"):
+        settings = dict(beta=0.1, learning_rate=0.0, replay=mode, logging_steps=1, rollout_dtype="bfloat16")
+        trainer, anchor = trainer_with(tok, lambda _: tmp_path / "near-ties", tmp_path / mode, "routing-kd", **settings)
+        attach_monitor(trainer)
+        trainer.train()
+        logs[mode] = next(h for h in trainer.state.log_history if "loss" in h)
+        anchor.remove()
+        trainer.replay.remove()
+    flips = {m: logs[m].get("routing/rollout_flip_rate") for m in logs}
+    assert flips["off"] > 0 and flips["off"] == flips["R2"] == flips["PR2"] and flips["R3"] is None
+    assert logs["R3"]["routing/rollout_override_rate"] > 0
+    assert not any("routing/rollout_override_rate" in logs[m] for m in ("off", "R2", "PR2"))
+    assert (
+        "routing/rollout_logp_gap_disagreed" in logs["off"] and "routing/rollout_logp_gap_disagreed" not in logs["R3"]
+    )
+    assert logs["R3"]["routing/rollout_logp_gap_agreed"] == logs["R3"]["routing/rollout_logp_gap"]
+    for mode in ("off", "R2", "PR2"):
+        assert logs[mode]["anchor/routing-kd"] == pytest.approx(0.0, abs=1e-7), mode
+        assert logs[mode]["routing/mean/base_forward_topk_overlap"] == 1.0, mode
+    # R3's own choice is read on hidden states the rollout's routes made: the term and the overlap may leave their
+    # values at the base wherever an override upstream moves a later router's input (docs/rl.md); at this size none
+    # does, and both read as the free forward's
+    for key in ("anchor/routing-kd", "routing/mean/base_forward_topk_overlap"):
+        assert logs["R3"][key] == pytest.approx(logs["off"][key], abs=1e-6), key

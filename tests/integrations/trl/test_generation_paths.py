@@ -93,8 +93,8 @@ def test_the_routes_are_each_tokens_own_on_every_generation_path(arch, path, tok
         assert torch.equal(routes[has].sort(-1).values, own[has].sort(-1).values)
         checked += int(has.sum())
     assert checked > 0
-    logs = [h for h in trainer.state.log_history if "routing/rollout_flip_rate" in h]
-    assert logs and all(h["routing/rollout_flip_rate"] == 0.0 for h in logs)
+    logs = [h for h in trainer.state.log_history if "routing/rollout_override_rate" in h]  # R3's (docs/rl.md)
+    assert logs and all(h["routing/rollout_override_rate"] == 0.0 for h in logs)
     assert all(h["routing/rollout_logp_gap"] < 1e-5 for h in logs)
     anchor.remove()
 

@@ -59,7 +59,9 @@ def test_every_anchor_with_every_replay_mode_trains_three_steps(method, replay, 
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     assert not any("aux_loss" in h for h in logs)  # TRL's own term never ran
-    assert any("routing/rollout_flip_rate" in h for h in logs)
+    # R3 logs the choices it overrides, every other mode the flip rate (docs/rl.md)
+    flips = "routing/rollout_override_rate" if replay == "R3" else "routing/rollout_flip_rate"
+    assert any(flips in h for h in logs)
     assert any("routing/stale_mismatch/update_1" in h for h in logs)  # num_iterations=2: a later update
     if anchor.method.loss is not None:  # the anchor's term in GRPO's logs, as in SFT's
         assert all(f"anchor/{method}" in h for h in logs)
@@ -300,7 +302,7 @@ def test_the_shipped_grpo_example_runs_every_method_it_offers(tmp_path, capsys, 
     example = shipped_grpo_example()
     assert example.main(["--output-dir", str(tmp_path), "--max-steps", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "step 1:" in printed and "routing/rollout_flip_rate" in printed
+    assert "step 1:" in printed and "routing/rollout_override_rate" in printed  # R3's (docs/rl.md)
     assert "step 2:" in printed and "routing/stale_mismatch" in printed  # the batch's second update
     for method, options in EXAMPLE_RUNS.items():
         argv = ["--output-dir", str(tmp_path / method), "--max-steps", "1", "--method", method, *options]

@@ -118,7 +118,20 @@ def test_the_stale_figure_is_the_hand_count_at_every_update_index(replay, arch, 
     assert seen_stale > 0, "the routing never went stale: the figure was never shown to count anything"
     if replay == "off":  # the figure reads the first forward, not the rollout: here the two differ
         assert rollout_differs > 0
-    if replay == "PR2":
+    if replay == "PR2":  # judged against R2 on its own trajectory: the first forward's own routes, counted here
+        for step, (entry, log) in enumerate(zip(watch.steps, logs, strict=True)):
+            inputs = entry["inputs"]
+            if step % ITERATIONS:
+                differ, count = hand_stale(entry, "rpb_first_routes")
+                assert log["routing/stale_mismatch_r2"] == pytest.approx(differ / count, abs=1e-12), step
+                assert log[f"routing/stale_mismatch_r2/update_{step % ITERATIONS}"] == log["routing/stale_mismatch_r2"]
+                continue
+            as_live = {pos: inputs["rpb_pr2_routes"][:, :, pos].reshape(-1, inputs["rpb_pr2_routes"].shape[-1])
+                       for pos in range(inputs["rpb_pr2_routes"].shape[2])}  # fmt: skip
+            differ, count = hand_stale({"inputs": inputs, "live": as_live}, "rpb_first_routes")
+            assert log["pr2/changed_share"] == pytest.approx(differ / count, abs=1e-12), step
+            assert "routing/stale_mismatch_r2" not in log
+        assert any(log["pr2/changed_share"] > 0 for log in logs[ITERATIONS::ITERATIONS]), "the predictor changed none"
         for step, log in enumerate(logs):  # the predictor learns from a batch's second update on, never in its first
             assert ("pr2/loss" in log) == (step % ITERATIONS >= 1), step
             before = watch.predictor[step - 1] if step else [torch.zeros_like(w) for w in watch.predictor[0]]
@@ -171,3 +184,101 @@ def test_pr2_with_a_prior_reading_method_is_refused_by_name(tok, tmp_path):
     with pytest.raises(ConfigError, match=r"anchor.method=rpb with replay='PR2'.*use R2"):
         GRPOTrainer(model, reward, grpo_args(tmp_path, replay="PR2"), data, processing_class=tok, anchor=anchor)
     anchor.remove()
+
+
+# ---- the predictor's learning rate, and what the first forward records under PR2 -------------------------------
+
+
+def test_the_predictors_optimizer_group_has_the_scaled_learning_rate_and_no_weight_decay(tok, tmp_path):
+    """docs/rl.md: the predictor learns at learning_rate x pr2_lr_scale (the reference's alpha), without weight
+    decay; the model's own groups keep the run's learning rate."""
+    trainer, anchor = trainer_for(tok, tmp_path, "sft", replay="PR2", learning_rate=2e-2, pr2_lr_scale=7.0,
+                                  weight_decay=0.1)  # fmt: skip
+    optimizer = trainer.create_optimizer()
+    mine = {id(p) for p in trainer.pr2.parameters()}
+    groups = [g for g in optimizer.param_groups if {id(p) for p in g["params"]} & mine]
+    assert len(groups) == 1 and {id(p) for p in groups[0]["params"]} == mine
+    assert groups[0]["lr"] == pytest.approx(2e-2 * 7.0, rel=1e-12) and groups[0]["weight_decay"] == 0.0
+    others = [g for g in optimizer.param_groups if g is not groups[0]]
+    assert others and all(g["lr"] == pytest.approx(2e-2, rel=1e-12) for g in others)
+    anchor.remove()
+    trainer.replay.remove()
+
+
+class FirstForwards:
+    """Each generation batch's first training-side forward: the routers' own top-k, read by hooks of the test's own
+    before any replacement, and the batch dict rpb hands TRL (before TRL shuffles it)."""
+
+    def __init__(self, trainer):
+        self.own: list[list[list[torch.Tensor]]] = []  # batch -> layer -> the chunks' [tokens, K]
+        self.batches: list[dict] = []
+        self.shapes: list[tuple[int, int]] = []
+        self.inside = False
+        first, generate = trainer._first_forward, trainer._generate_and_score_completions
+
+        def first_forward(model, input_ids, *a, **kw):
+            self.own.append([[] for _ in trainer.replay.layers])
+            self.shapes.append(tuple(input_ids.shape))
+            self.inside = True
+            try:
+                return first(model, input_ids, *a, **kw)
+            finally:
+                self.inside = False
+
+        def generating(inputs):
+            output = generate(inputs)
+            if trainer.model.training:
+                self.batches.append({k: v.clone() for k, v in output.items() if isinstance(v, torch.Tensor)})
+            return output
+
+        trainer._first_forward, trainer._generate_and_score_completions = first_forward, generating
+        self.handles = [m.router.register_forward_hook(self._read(pos), prepend=True)
+                        for pos, m in enumerate(trainer.replay.layers)]  # fmt: skip
+
+    def _read(self, pos):
+        def hook(module, args, out):
+            if self.inside:
+                self.own[-1][pos].append(out[2].detach().clone())
+
+        return hook
+
+    def live(self, i: int) -> dict[int, torch.Tensor]:
+        """Batch ``i``'s own top-k per layer, ``[tokens, K]`` over its rows in order (``hand_stale``'s ``live``)."""
+        return {pos: torch.cat(chunks) for pos, chunks in enumerate(self.own[i])}
+
+    def own_BSLK(self, i: int) -> torch.Tensor:
+        B, S = self.shapes[i]
+        return torch.stack([ids.reshape(B, S, -1) for ids in self.live(i).values()], dim=2)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def test_under_pr2_the_first_routes_and_the_flip_rate_read_the_routers_own_choice(tok, tmp_path):
+    """PR2's first forward routes by the predictor, but what it records as the batch's first routes, and what the
+    rollout flip rate compares the rollout with, is the routers' own choice. Two generation batches of two updates
+    each: in the second the predictor has moved, so its choice and the routers' own differ."""
+    trainer, anchor = trainer_for(tok, tmp_path, "sft", replay="PR2", num_iterations=2, max_steps=3,
+                                  learning_rate=2e-2, pr2_lr_scale=100.0, rollout_dtype="bfloat16")  # fmt: skip
+    randomize_routers(trainer.model, seed=5, scale=1.0)  # close scores: bf16 rollouts flip some choices
+    watch = FirstForwards(trainer)
+    trainer.train()
+    watch.remove()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(watch.batches) == len(watch.own) == 2 and len(logs) == 3
+    flips_seen = 0
+    for i, step in ((0, 0), (1, 2)):  # each batch's first update is its step's
+        batch, own = watch.batches[i], watch.own_BSLK(i).sort(-1).values
+        first = batch["rpb_first_routes"].sort(-1).values.to(own.dtype)
+        assert torch.equal(first, own), f"batch {i}: the first routes are not the routers' own top-k"
+        if i == 1:  # the predictor moved: its routes are not the routers' own, so the case tells the two apart
+            assert not torch.equal(batch["rpb_pr2_routes"].sort(-1).values.to(own.dtype), own)
+        # the rollout against the routers' own choice, over completion tokens x layers, counted here
+        differ, count = hand_stale({"inputs": batch, "live": watch.live(i)}, "rpb_rollout_routes")
+        assert count > 0
+        assert logs[step]["routing/rollout_flip_rate"] == pytest.approx(differ / count, abs=1e-12), i
+        flips_seen += differ
+    assert flips_seen > 0, "the rollout never flipped: the figure was never shown to count anything"
+    anchor.remove()
+    trainer.replay.remove()

@@ -29,7 +29,7 @@ def study(tmp_path, base: int, retrained: list[dict]):
         (where / "result.json").write_text(json.dumps(r))
     facts = {"seed": base, "heldout_exact_match": {d: 0.8 for d in DOMAINS}, "modularity": 0.1, "communities": 3.0,
              "between_domain_jsd_bits": 0.02, "weights_sha256": "ab" * 32}  # fmt: skip
-    return SimpleNamespace(out=out, base_seed=base, base_facts=lambda: facts)
+    return SimpleNamespace(out=out, base_seed=base, base_facts=lambda: facts, selected_keys=list)
 
 
 def test_the_report_reads_the_cells_and_the_retrained_sft_cells(tmp_path):

@@ -40,7 +40,8 @@ def test_the_figure_draws_each_arms_cells(rl_finished, tmp_path):
     fig = rl_figure(results, "mini")
     for arm in ("grpo", "grpo + R3"):
         cells = [r for r in results if r["arm"] == arm]
-        for key in ("reward", "rollout_flip_rate"):
+        # R3 logs its override rate, not a flip rate (docs/rl.md): no flip-rate curve is drawn for it
+        for key in ("reward", "rollout_flip_rate") if arm != "grpo + R3" else ("reward",):
             curves = []
             for r in cells:
                 values = [v for v in r["rl"][key] if v is not None]

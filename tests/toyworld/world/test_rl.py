@@ -66,9 +66,14 @@ def test_a_cell_of_each_kind_trains_saves_and_records_what_it_ran(grid, label, s
     for key, value in arm.trl:
         assert record["settings"][key] == value
     assert record["reward"][0] is not None and 0.0 <= record["reward"][0] <= 1.0
-    assert record["rollout_flip_rate"][0] is not None
-    present = [v for v in record["rollout_flip_rate"] if v is not None]
-    assert record["summary"]["flip_rate"] == pytest.approx(sum(present) / len(present))
+    # R3 logs the choices it overrides, never a flip rate (docs/rl.md): each cell records the figure its mode logs
+    logged, absent = ("rollout_override_rate", "rollout_flip_rate") if arm.replay == "R3" else (
+        "rollout_flip_rate", "rollout_override_rate")  # fmt: skip
+    assert record[logged][0] is not None and set(record[absent]) == {None}
+    present = [v for v in record[logged] if v is not None]
+    summary = {"rollout_flip_rate": "flip_rate", "rollout_override_rate": "override_rate"}
+    assert record["summary"][summary[logged]] == pytest.approx(sum(present) / len(present))
+    assert summary[absent] not in record["summary"]
     assert seen == [(record["reward"], record["loss"])] and record["summary"]["collapsed"] is True
     assert len(record["logp_gap"]) == TINY.max_steps
     # the stale mismatch at each later update index of a generation batch (here one: 2 updates a batch)

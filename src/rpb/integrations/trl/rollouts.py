@@ -43,11 +43,16 @@ ROUTE_READERS = {"vllm": routes_from_vllm, "sglang": routes_from_sglang}
 #: ``routing/stale_mismatch/update_<i>`` beside them for each update index a batch reaches
 FIGURES = (
     "routing/rollout_flip_rate",
+    "routing/rollout_override_rate",
     "routing/stale_mismatch",
     "routing/rollout_logp_gap",
     "routing/rollout_logp_gap_agreed",
     "routing/rollout_logp_gap_disagreed",
     "routing/rollout_logp_missing",
+    # PR2 only: the same stale count against the routes R2 would have replayed on this trajectory (the batch's
+    # first-forward routes), and at update 0 the share of expert sets the predictor changed
+    "routing/stale_mismatch_r2",
+    "pr2/changed_share",
 )
 
 
@@ -215,7 +220,11 @@ class RolloutRoutes:
         generate_every = self.args.steps_per_generation * self.num_iterations
         accumulation = self.args.gradient_accumulation_steps
         reached = {update_index(s, generate_every, accumulation) for s in range(generate_every * accumulation)}
-        return FIGURES + tuple(f"routing/stale_mismatch/update_{i}" for i in sorted(reached) if i >= 1)
+        later = [i for i in sorted(reached) if i >= 1]
+        per_update = tuple(f"routing/stale_mismatch/update_{i}" for i in later)
+        if self.replay_mode == "PR2":
+            per_update += tuple(f"routing/stale_mismatch_r2/update_{i}" for i in later)
+        return FIGURES + per_update
 
     def routing_figures(self) -> dict[str, float]:
         """The logging window's mismatch figures, summed over ranks first (every rank calls it at every training
@@ -251,7 +260,11 @@ class RolloutRoutes:
         count_BS = completion_BS & routed_positions(rollout)
         tokens, L = float(count_BS.sum()), rollout.shape[2]
         if micro["update"] == 0:
-            self._add("routing/rollout_flip_rate", float(flips_L(rollout, first, count_BS).sum()), tokens * L)
+            # the router's own choice in the batch's first forward against the rollout's. Under R3 that forward runs
+            # on the rollout's routes, so its own choice is read on hidden states the rollout's routing made: the
+            # share of layer choices R3 overrides, another figure than the free forward's flip rate (docs/rl.md)
+            name = "routing/rollout_override_rate" if self.replay_mode == "R3" else "routing/rollout_flip_rate"
+            self._add(name, float(flips_L(rollout, first, count_BS).sum()), tokens * L)
         used = native if replayed is None else torch.where(replayed >= 0, replayed, native)
         agreed_BC = agreed_for_completion(differs_BSL(rollout, used) & routed_positions(rollout)[..., None], P)
         # the first update only: later ones add the policy's own change since the rollout (the importance ratio)
@@ -272,6 +285,8 @@ class RolloutRoutes:
         first training-side forward's own choice (staleness, not the rollout's precision gap)."""
         i = micro["update"]
         against = micro["routes"] if self.replay_mode != "off" else micro["inputs"].get("rpb_first_routes")
+        if self.replay_mode == "PR2":
+            self._log_pr2_against_r2(micro, native_BSLK, completion_BS)
         if i < 1 or against is None:
             return
         against = against.to(native_BSLK.device)
@@ -279,3 +294,22 @@ class RolloutRoutes:
         flips, weight = float(flips_L(native_BSLK, against, count_BS).sum()), float(count_BS.sum()) * against.shape[2]
         self._add("routing/stale_mismatch", flips, weight)
         self._add(f"routing/stale_mismatch/update_{i}", flips, weight)
+
+    def _log_pr2_against_r2(self, micro: dict, native_BSLK: torch.Tensor, completion_BS: torch.Tensor) -> None:
+        """PR2 judged against R2 on its own trajectory: in later updates the live choice against the batch's
+        first-forward routes (what R2 would replay: ``routing/stale_mismatch_r2``); at update 0 the share of the
+        first forward's expert sets the predictor changed (``pr2/changed_share``)."""
+        inputs, i = micro["inputs"], micro["update"]
+        first = inputs.get("rpb_first_routes")
+        if first is None:
+            return
+        first = first.to(native_BSLK.device)
+        count_BS = completion_BS & routed_positions(first)
+        weight = float(count_BS.sum()) * first.shape[2]
+        if i == 0 and micro["routes"] is not None:
+            changed = float(flips_L(micro["routes"].to(first.device), first, count_BS).sum())
+            self._add("pr2/changed_share", changed, weight)
+        elif i >= 1:
+            flips = float(flips_L(native_BSLK, first, count_BS).sum())
+            self._add("routing/stale_mismatch_r2", flips, weight)
+            self._add(f"routing/stale_mismatch_r2/update_{i}", flips, weight)

@@ -187,7 +187,7 @@ class RLStudy(Study):
             shutil.rmtree(where / f"retention_{name}", ignore_errors=True)
         summary = result["rl"]["summary"]
         # a cell from before issue 64 has no stale mismatch in its summary: none is made up for it
-        figures = {k: summary[k] for k in ("flip_rate", "logp_gap", "stale_mismatch") if k in summary}
+        figures = {k: summary[k] for k in ("flip_rate", "override_rate", "logp_gap", "stale_mismatch") if k in summary}
         return {"retention": retention | figures}
 
     def _run(self) -> list[dict]:

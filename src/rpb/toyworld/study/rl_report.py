@@ -6,6 +6,7 @@ the grid's claims judged by rule with the minimal detectable difference of each 
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -105,6 +106,8 @@ def routing_table(results: list[dict], arms: tuple[str, ...]) -> str:
     columns = ROUTING
     if any("stale_mismatch" in r.get("retention", {}) for r in results):
         columns = (ROUTING[0], ("stale mismatch", "stale_mismatch", 3), *ROUTING[1:])
+    if any("override_rate" in r.get("retention", {}) for r in results):  # R3's, where cells record it
+        columns = (columns[0], ("R3 override rate", "override_rate", 3), *columns[1:])
     lines = [
         "### Routing: through training (flip rate, log-probability gap: means over the steps) and after it, on "
         "the probe set against the `sft` start and against the base (mean ± sd over cells)",
@@ -119,7 +122,8 @@ def routing_table(results: list[dict], arms: tuple[str, ...]) -> str:
         row = [arm]
         for _, keys, digits in columns:
             keys = keys if isinstance(keys, tuple) else (keys,)
-            row.append(" / ".join(mean_sd([c[k] for c in cells], digits, "—") for k in keys))
+            # a figure an arm's mode does not log (R3 logs no free flip rate) is "—", never a made-up value
+            row.append(" / ".join(mean_sd([c[k] for c in cells if k in c], digits, "—") for k in keys))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -138,7 +142,7 @@ def detectable_table(results: list[dict], post_set: str, pairs) -> str:
         else:
             d = paired_differences(results, post_set, arm, reference, metric)
         flat = [v for vs in d.values() for v in vs]
-        if len(flat) < 2:
+        if len(flat) < 2 or any(math.isnan(v) for v in flat):  # a figure the cells do not record: the claim is not run
             continue
         sd, unit = statistics.stdev(flat), " (% of the reference)" if relative else ""
         lines.append(

@@ -145,22 +145,28 @@ def train_rl_cell(
         return [h.get(key) for h in logs]
 
     flips, gaps = figure("routing/rollout_flip_rate"), figure("routing/rollout_logp_gap")
+    overrides = figure("routing/rollout_override_rate")
     stale = "routing/stale_mismatch/update_"
     updates = sorted({int(k.removeprefix(stale)) for h in logs for k in h if k.startswith(stale)})
     return {
         # the claims' figures (the grid's claims read them): the means over training, and the collapse rule's verdict
         "summary": {
-            "flip_rate": _mean(flips),
             "logp_gap": _mean(gaps),
             "stale_mismatch": _mean(figure("routing/stale_mismatch")),
         }
+        # the free forward's flip rate (not under R3, which logs its override rate: another figure, docs/rl.md)
+        | ({"flip_rate": _mean(flips)} if any(v is not None for v in flips) else {})
+        | ({"override_rate": _mean(overrides)} if any(v is not None for v in overrides) else {})
+        # PR2 judged against R2 on its own trajectory (docs/rl.md): where the run logs them
+        | {key: _mean(figure(name)) for key, name in PR2_FIGURES.items() if any(v is not None for v in figure(name))}
         | ({"collapsed": collapsed(figure("reward"), figure("loss"))} if collapsed else {}),
         "arm": asdict(arm) | {"trl": dict(arm.trl)},
         "seed": seed,
         "settings": settings | {"router_aux_loss_coef": trainer.router_aux_loss_coef},
         "seconds": seconds,
         "reward": figure("reward"),
-        "rollout_flip_rate": figure("routing/rollout_flip_rate"),
+        "rollout_flip_rate": flips,
+        "rollout_override_rate": overrides,
         "stale_mismatch": figure("routing/stale_mismatch"),
         # the mismatch's growth with each reuse of a generation batch: its mean over training at each update index
         "stale_mismatch_by_update": {str(i): _mean(figure(f"{stale}{i}")) for i in updates},
@@ -169,6 +175,10 @@ def train_rl_cell(
         "logp_gap_disagreed": figure("routing/rollout_logp_gap_disagreed"),
         "loss": figure("loss"),
     }
+
+
+#: PR2's within-run figures, as a cell's summary names them
+PR2_FIGURES = {"stale_mismatch_r2": "routing/stale_mismatch_r2", "pr2_changed_share": "pr2/changed_share"}
 
 
 def _mean(values: list) -> float:
