@@ -49,6 +49,9 @@ class AnchorConfig:
     #: routing-kd / output-kd: ``model`` is a folder ``rpb train`` saved and its own routing is the one to hold
     #: (continued training); without it such a folder is refused as the base (``rpb.teacher.lineage``)
     trained_base: bool = False
+    #: routing-kd: the routing overlap with the base to hold, in (0, 1]; λ is then steered each optimizer step to
+    #: keep it (``rpb.anchors.target``; ``lambda``, where given, is where λ starts). None: the fixed ``lambda``
+    target: float | None = None
 
     @classmethod
     def for_method(cls, method: str, *, lambda_: float | None = None, lbl_coef: float | None = None, **settings):
@@ -65,8 +68,15 @@ class AnchorConfig:
         except ArgumentError as e:
             return [f"anchor.method: {e}"]
         out = []
-        if method.coefficient is not None and getattr(self, method.coefficient) is None:
+        steered = self.target is not None and method.teacher == "routing"
+        if method.coefficient is not None and getattr(self, method.coefficient) is None and not steered:
             out.append(f"anchor.{method.coefficient.rstrip('_')}: required by method {self.method!r} (no default)")
+        if self.target is not None and method.teacher != "routing":
+            out.append(
+                f"anchor.target: held by routing-kd, the method that measures the routing; not by {self.method!r}"
+            )
+        elif self.target is not None and not 0 < self.target <= 1:
+            out.append(f"anchor.target: the overlap with the base to hold, in (0, 1], got {self.target}")
         for name in ("lambda_", "lbl_coef"):  # a coefficient the method never reads: a run that is not the one meant
             if name != method.coefficient and getattr(self, name) is not None:
                 readers = ", ".join(m.name for m in METHODS.values() if m.coefficient == name)

@@ -37,6 +37,7 @@ from rpb.adapters.hf import expert_bias_of
 from rpb.anchors.config import AnchorConfig
 from rpb.anchors.context import TokenContext
 from rpb.anchors.methods import Method, RouterState, get_method
+from rpb.anchors.overlap import OverlapCounts
 from rpb.anchors.prior_routing import PriorRouting
 from rpb.anchors.stats import LayerStats
 from rpb.errors import ArgumentError
@@ -84,6 +85,10 @@ class AnchorHandle:
     #: routing-kd / output-kd: where the base's routing comes from (``rpb.teacher``: ``OnlineBase`` or
     #: ``StoredRoutes``; ``rpb.train.run.attach_anchor`` sets it), None for the other methods
     teacher: object | None = None
+    #: routing-kd: the optimizer step's routing overlap with the base, counted by the hook (``rpb.anchors.overlap``)
+    overlap: OverlapCounts | None = None
+    #: the coefficient a routing target's controller set for this step (None: the configuration's)
+    lambda_now: float | None = None
 
     # ---- step context --------------------------------------------------------------
     @contextlib.contextmanager
@@ -140,7 +145,7 @@ class AnchorHandle:
         """The anchor's loss term for the last forward (coefficient applied; 0 for none)."""
         if not self._terms:
             return torch.zeros((), device=self._device())
-        term = self.config.coefficient() * torch.stack([self._terms[i] for i in sorted(self._terms)]).mean()
+        term = self.coefficient() * torch.stack([self._terms[i] for i in sorted(self._terms)]).mean()
         trainable = any(layer.moe.trainable for layer in self.layers)
         if torch.is_grad_enabled() and trainable and not term.requires_grad:
             raise RuntimeError(
@@ -149,6 +154,10 @@ class AnchorHandle:
                 'gradient_checkpointing_kwargs={"use_reentrant": False}'
             )
         return term
+
+    def coefficient(self) -> float | None:
+        """The loss term's coefficient this step: a routing target's λ where one steers it, else the config's."""
+        return self.lambda_now if self.lambda_now is not None else self.config.coefficient()
 
     @property
     def router_transform(self) -> str:
@@ -191,6 +200,8 @@ class AnchorHandle:
             term = self._loss_term(layer, module, hidden, logits_TE, weight_T)
             if first_call:
                 self._terms[pos] = term
+            if first_call and self.overlap is not None and not self._unobserved and ctx.base is not None:
+                self.overlap.count(pos, ctx.base, layer.spec, layer.expert_bias_E, native_ids_TK, weight_T)
         gates_TK, ids_TK = native_gates_TK, native_ids_TK
         if self.prior is not None:
             gates_TK, ids_TK = self._prior_selection(pos, logits_TE, ctx, native_gates_TK, native_ids_TK)
@@ -272,7 +283,7 @@ class AnchorHandle:
         s.changed += int(changed_T.sum())
         s.load_E += torch.bincount(ids_TK[valid_T].reshape(-1), minlength=E).float().cpu()
         if term is not None:
-            s.term_sum += float(self.config.coefficient() * term.detach())
+            s.term_sum += float(self.coefficient() * term.detach())
             s.term_steps += 1
         if layer.base_weight_EH is not None:
             # the current router's own choice against the base router's, both on the current hidden states
@@ -378,6 +389,8 @@ def install_anchor(
         )
 
     handle = AnchorHandle(model, config, method, facts, layers, routing, record_stats)
+    if method.teacher == "routing":
+        handle.overlap = OverlapCounts(len(layers))
     if hasattr(model.config, "output_router_logits"):
         # no native auxiliary loss under any method: lbl computes its own
         old = handle.native_output_router_logits = model.config.output_router_logits

@@ -64,8 +64,9 @@ def _method_record(anchor) -> dict:
     from rpb.data import file_sha256
 
     record = dataclasses.asdict(anchor)
-    if not record.get("trained_base"):  # recorded only where set, as checkpoints written before it had none
-        record.pop("trained_base", None)
+    for name in ("trained_base", "target"):  # recorded only where set, as checkpoints written before them had none
+        if not record.get(name):
+            record.pop(name, None)
     method = METHODS.get(anchor.method)
     if method is None or method.teacher is None:
         return {k: v for k, v in record.items() if k not in TEACHER_FIELDS}

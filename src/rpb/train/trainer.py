@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from rpb.anchors import AnchorHandle
 from rpb.anchors.stats import reduce_across_ranks, routing_metrics
 from rpb.experts.masks import ExpertMask
+from rpb.train.hold import RoutingHold, controller_of
 
 
 class AnchorTrainerMixin:
@@ -34,6 +35,10 @@ class AnchorTrainerMixin:
         self.anchor = anchor
         self.expert_mask = expert_mask
         self._anchor_terms: list[float] = []
+        # routing-kd: the step's overlap with the base, and with anchor.target the controller of λ (rpb.train.hold)
+        self.rpb_hold = RoutingHold(anchor, controller_of(anchor)) if anchor.overlap is not None else None
+        if self.rpb_hold is not None:
+            self.add_callback(self.rpb_hold)
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
@@ -110,6 +115,16 @@ class AnchorTrainerMixin:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or bool(self.compute_loss_func)
         return self.current_gradient_accumulation_steps if scaled else 1
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.rpb_hold is not None and self.args.should_save:
+            self.rpb_hold.save(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.rpb_hold is not None and checkpoint is not None:
+            self.rpb_hold.load(checkpoint)
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         model = model or self.model
@@ -135,6 +150,8 @@ class AnchorTrainerMixin:
             method = self.anchor.method
             figures = dict(loss=method.loss is not None, base=method.needs_base_router, prior=method.needs_prior)
             logs.update(routing_metrics(stats, index, **figures))
+            if self.rpb_hold is not None:
+                logs.update(self.rpb_hold.logs())
         super().log(logs, *args, **kwargs)
 
 

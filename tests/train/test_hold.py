@@ -1,0 +1,114 @@
+"""routing-kd under ``rpb train``: the step's routing overlap with the base, logged as ``anchor/overlap``, equals a
+count made here (the model's own top-k in each training forward against the base checkpoint's own top-k on the
+same batch, both read by hooks of the test's own); with ``anchor.target`` the controller raises λ once the routing
+falls below it, and a run resumed from a checkpoint steps λ as the uninterrupted one did."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from rpb.adapters import find_moe_layers, get_adapter
+from rpb.train.run import run_training
+from tests.teacher.conftest import config, log_of
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, save_tiny):
+    from rpb.testing.data import conversations, write_jsonl
+
+    tmp = tmp_path_factory.mktemp("hold")
+    return save_tiny("moonlight"), write_jsonl(conversations(12, seed=5), tmp / "train.jsonl"), None, tmp
+
+
+def own_topk(model, batches: list) -> list[dict[int, torch.Tensor]]:
+    """The base checkpoint's own top-k ``[T, K]`` per MoE layer on each batch (eval mode, a hook of the test's own)."""
+    facts = get_adapter(model.config.model_type)
+    out = []
+    for inputs in batches:
+        seen: dict[int, torch.Tensor] = {}
+        hooks = [m.router.register_forward_hook(lambda mod, a, o, p=p, seen=seen: seen.__setitem__(p, o[2].detach()))
+                 for p, m in enumerate(find_moe_layers(model, facts))]  # fmt: skip
+        with torch.no_grad():
+            model.eval()(**inputs)
+        for h in hooks:
+            h.remove()
+        out.append(seen)
+    return out
+
+
+class Training(TrainerCallback):
+    """Each optimizer step's training forward: its inputs and the model's own top-k per MoE layer."""
+
+    def __init__(self, model):
+        self.steps, facts = [], get_adapter(model.config.model_type)
+        for p, m in enumerate(find_moe_layers(model, facts)):
+            m.router.register_forward_hook(self._keep(p))
+        model.register_forward_pre_hook(self._inputs, with_kwargs=True)
+
+    def _inputs(self, module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            batch = {k: kwargs[k].detach().clone() for k in ("input_ids", "attention_mask") if k in kwargs}
+            self.steps.append({"inputs": batch, "ids": {}})
+
+    def _keep(self, p):
+        def hook(module, args, out):
+            if module.training and torch.is_grad_enabled() and p not in self.steps[-1]["ids"]:
+                self.steps[-1]["ids"][p] = out[2].detach()
+
+        return hook
+
+
+def test_the_logged_overlap_is_the_hand_count_of_each_steps_sets(setup, tmp_path):
+    seen = watched_run(setup, tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(setup[0])
+    base_ids = own_topk(base, [s["inputs"] for s in seen.steps])
+    logs = [r for r in log_of(tmp_path / "out") if "anchor/overlap" in r]
+    assert len(logs) == len(seen.steps) == 3
+    for step, (s, mine, log) in enumerate(zip(seen.steps, base_ids, logs, strict=True)):
+        keep = s["inputs"]["attention_mask"].reshape(-1).bool()
+        per_layer = []
+        for p, ids in s["ids"].items():
+            shared = (ids[:, :, None] == mine[p][:, None, :]).any(-1).sum(-1).double() / ids.shape[-1]
+            per_layer.append(float(shared[keep].mean()))
+        assert log["anchor/overlap"] == pytest.approx(sum(per_layer) / len(per_layer), abs=1e-12), step
+        assert log["anchor/overlap_min"] == pytest.approx(min(per_layer), abs=1e-12), step
+    assert logs[0]["anchor/overlap"] == 1.0 and logs[-1]["anchor/overlap"] < 1.0  # the base, then it moves
+
+
+def watched_run(setup, tmp_path) -> Training:
+    """Run ``rpb train`` with routing-kd for 3 steps, the test's watcher on the model it trains."""
+    import rpb.train.run as run_module
+
+    watched = {}
+    prepare = run_module.prepare_run
+
+    def watching(cfg, progress=True):
+        prepared = prepare(cfg, progress)
+        watched["w"] = Training(prepared.model)
+        return prepared
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(run_module, "prepare_run", watching)
+        run_training(config(setup, tmp_path / "out", "routing-kd", steps=3), progress=False)
+    return watched["w"]
+
+
+def test_a_target_raises_lambda_after_the_routing_falls_below_it_and_resumes_as_it_ran(setup, tmp_path):
+    target = ["anchor.target=0.999", "train.lr=3e-2", "train.save_every=2", "train.deterministic=true"]
+    out = run_training(config(setup, tmp_path / "whole", "routing-kd", *target, steps=4), progress=False)
+    logs = [r for r in log_of(out) if "anchor/lambda" in r]
+    assert logs[0]["anchor/overlap"] == 1.0 and logs[0]["anchor/lambda"] == 1.0  # the base: held at λ₀
+    lams, ms = [r["anchor/lambda"] for r in logs], [r["anchor/overlap"] for r in logs]
+    crossed = next(i for i, m in enumerate(ms) if m < 0.999)
+    assert all(lam == 1.0 for lam in lams[:crossed]) and lams[crossed] > 1.0  # held, then raised
+    saved = json.loads((out / "checkpoint-2" / "rpb_target.json").read_text())
+    assert saved["lambda"] == pytest.approx(lams[1])
+    resumed = run_training(config(setup, out, "routing-kd", *target, "train.resume_from_checkpoint=auto", steps=4),
+                           progress=False)  # fmt: skip
+    assert [r["anchor/lambda"] for r in log_of(resumed) if "anchor/lambda" in r] == pytest.approx(lams)
