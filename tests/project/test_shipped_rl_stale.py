@@ -96,3 +96,20 @@ def test_the_results_page_shows_the_figures_and_rl_md_quotes_every_verdict():
         after = holm if holm == "outside Holm" else f"{holm} after Holm"
         said = f"claim {number}: {row['verdict']} by rule, {after}"
         assert flat(said) in quoted, said
+
+
+def test_the_followup_is_the_report_of_its_runs_and_rl_md_quotes_it(tmp_path):
+    """The follow-up pilot (PR2 below scale 50, against R2 on its own runs): its table regenerated from the shipped
+    runs byte for byte, and docs/rl.md quoting its conclusion and each scale's PR2 − R2."""
+    from rpb.toyworld.grids.rl_stale_followup import SCALES, write_report
+
+    shipped = ROOT / "docs" / "results" / "rl-stale" / "followup"
+    for scale in SCALES:
+        shutil.copy(shipped / f"pr2-{scale:g}.json", tmp_path)
+    text = write_report(tmp_path)
+    assert text == (shipped / "followup.md").read_text()
+    rl = " ".join((ROOT / "docs" / "rl.md").read_text().split())
+    for row in (ln for ln in text.splitlines() if ln.startswith("| ") and ln[2].isdigit()):
+        scale, *_, against_r2 = (c.strip() for c in row.strip("|").split("|"))
+        assert f"{against_r2} at {scale}" in rl, (scale, against_r2)
+    assert "staler than R2's would have been at every scale tried" in text and "at every scale tried" in rl
