@@ -17,6 +17,7 @@ from tests.mutants import (
     more_routes,
     more_silent,
     more_split,
+    more_target,
 )
 from tests.mutants.harness import Mutant
 
@@ -840,4 +841,5 @@ MUTANTS: tuple[Mutant, ...] = (
     *more_rl_paths.MUTANTS,
     *more_hold.MUTANTS,
     *more_silent.MUTANTS,
+    *more_target.MUTANTS,
 )

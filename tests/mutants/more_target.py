@@ -1,0 +1,48 @@
+"""Mutants of the routing target (issue 74): its controller, its state through a resume, and what it measures;
+joined into ``tests.mutants.catalogue.MUTANTS``."""
+
+from __future__ import annotations
+
+from tests.mutants.harness import Mutant
+
+TARGET = "tests/anchors/test_target.py"
+HOLD = "tests/train/test_hold.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        name="target_controller_sign_flipped",
+        story="the controller lowers lambda when the routing falls below the target and raises it above",
+        path="anchors/target.py",
+        function="TargetController.error",
+        pattern=r"\(s\.target - m\) / allowed",
+        replacement="(m - s.target) / allowed",
+        tests=(f"{TARGET}::test_a_known_measure_sequence_gives_the_documented_lambdas",),
+    ),
+    Mutant(
+        name="target_lambda_not_restored_on_resume",
+        story="a resumed target run reads the controller's state back but keeps stepping from lambda_0",
+        path="train/hold.py",
+        function="RoutingHold.load",
+        pattern=r"self\.anchor\.lambda_now = self\.controller\.lam",
+        replacement="self.controller.lam = self.controller.settings.lambda_0; self.anchor.lambda_now = 1.0",
+        tests=(f"{HOLD}::test_a_target_raises_lambda_after_the_routing_falls_below_it_and_resumes_as_it_ran",),
+    ),
+    Mutant(
+        name="overlap_against_the_models_own_routing",
+        story="the overlap compares the model's top-k with itself, not with the base's: it reads 1 whatever the drift",
+        path="anchors/overlap.py",
+        function="OverlapCounts.count",
+        pattern=r"self\.add\(pos, \*shared_share\(model_ids_TK, base_ids_TK, counted_T\)\)",
+        replacement="self.add(pos, *shared_share(model_ids_TK, model_ids_TK, counted_T))",
+        tests=(f"{HOLD}::test_the_logged_overlap_is_the_hand_count_of_each_steps_sets",),
+    ),
+    Mutant(
+        name="overlap_counts_padding",
+        story="the overlap counts padding tokens too, which the routing-kd term never weighs",
+        path="anchors/overlap.py",
+        function="OverlapCounts.count",
+        pattern=r"counted_T = weight_T > 0",
+        replacement="counted_T = weight_T >= 0",
+        tests=(f"{HOLD}::test_the_logged_overlap_is_the_hand_count_of_each_steps_sets",),
+    ),
+)
