@@ -318,7 +318,9 @@ def test_install_refuses_with_every_problem_at_once():
     assert "moe_router_fusion" in text and "context_parallel_size=2" in text and "routing replay" in text
     assert all("routing" not in vars(r) for r in routers)
 
-    routers = build_routers(case)
+    routers = build_routers(case)  # a routing target is steered in the HF trainers only: refused, not ignored
+    with pytest.raises(MegatronAnchorError, match=r"anchor\.target on Megatron-Core"):
+        install_megatron_anchor(routers, AnchorConfig(method="routing-kd", target=0.9, base="routes", routes="r"))
     handle = install_megatron_anchor(routers, AnchorConfig(method="sft"))
     with pytest.raises(MegatronAnchorError, match="already installed"):
         install_megatron_anchor(routers, AnchorConfig(method="sft"))

@@ -164,6 +164,15 @@ def test_what_grpo_cannot_serve_is_refused_by_name(method, base, overrides, mess
         GRPOTrainer(model, reward, grpo_args(tmp_path, **overrides), data, processing_class=tok, anchor=anchor)
 
 
+def test_a_routing_target_in_grpo_is_refused_not_ignored(tok, save_tiny, tmp_path):
+    """rpb's GRPOTrainer steers no λ: a target there would train with no coefficient, or a wrong one."""
+    model = AutoModelForCausalLM.from_pretrained(save_tiny("qwen3_moe")).train()
+    anchor = install_anchor(model, AnchorConfig(method="routing-kd", target=0.9))
+    data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS[:4]])
+    with pytest.raises(ConfigError, match=r"anchor.target in GRPO"):
+        GRPOTrainer(model, reward, grpo_args(tmp_path, beta=0.1), data, processing_class=tok, anchor=anchor)
+
+
 def test_at_learning_rate_zero_each_replay_mode_reads_what_docs_rl_md_says(tok, save_tiny, tmp_path):
     """Identical weights and rollouts in every mode (learning rate 0, one seed). Off, R2 and PR2 train the batch's
     first update on the router's own routing: their flip rate, routing-kd term and base-forward overlap are one

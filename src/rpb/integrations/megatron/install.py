@@ -46,6 +46,11 @@ def find_topk_routers(model) -> list[MegatronRouter]:
 
 def _install_problems(routers: list[MegatronRouter], method: Method, config: AnchorConfig) -> list[str]:
     out = []
+    if getattr(config, "target", None) is not None:
+        out.append(
+            "anchor.target on Megatron-Core: the routing overlap is measured and λ steered in the Hugging Face "
+            "trainers only; give a fixed anchor.lambda"
+        )
     if not routers:
         return [*out, "no megatron.core.transformer.moe.router.TopKRouter in the model"]
     params = inspect.signature(topk_routing_function()).parameters

@@ -82,6 +82,12 @@ def trainer_problems(
             f"anchor.method={anchor.method.name} reads a prior per row and span: build the dataset with "
             "rpb.integrations.trl.prepare_grpo (each row's sample index and rpb's labels of its prompt)"
         )
+    if anchor is not None and getattr(anchor.config, "target", None) is not None:
+        out.append(
+            "anchor.target in GRPO: the routing overlap is not yet measured per optimizer step over a generation "
+            "batch's updates, and under replay it would read the replay's overrides as drift (docs/rl.md); give a "
+            "fixed anchor.lambda"
+        )
     if replay == "R3" and getattr(args, "use_vllm", False) and not has_rollout_func:
         out.append(
             "use_vllm with replay='R3': TRL's vLLM client returns no routes and rpb does not patch it; hand them in "
