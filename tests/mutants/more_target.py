@@ -7,6 +7,7 @@ from tests.mutants.harness import Mutant
 
 TARGET = "tests/anchors/test_target.py"
 HOLD = "tests/train/test_hold.py"
+RANKS = "tests/train/test_run_distributed.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -44,5 +45,15 @@ MUTANTS: tuple[Mutant, ...] = (
         pattern=r"counted_T = weight_T > 0",
         replacement="counted_T = weight_T >= 0",
         tests=(f"{HOLD}::test_the_logged_overlap_is_the_hand_count_of_each_steps_sets",),
+    ),
+    Mutant(
+        name="overlap_not_summed_over_ranks",
+        story="each rank steers lambda from its own rows' overlap: the ranks' lambdas drift apart, and none is the "
+        "whole batch's",
+        path="train/hold.py",
+        function="RoutingHold.on_step_end",
+        pattern=r"            dist\.all_reduce\(flat\)\n",
+        replacement="",
+        tests=(f"{RANKS}::test_a_routing_target_steps_the_same_lambda_on_two_processes_as_on_one",),
     ),
 )

@@ -50,10 +50,10 @@ def one_process(save_tiny, tmp_path_factory):
     collect(str(model), data, prior, top_k=2, max_seq_len=192, progress=False)
     done = {}
 
-    def one(method: str) -> tuple[list[str], Path]:
+    def one(method: str, *extra: str) -> tuple[list[str], Path]:
         common = [f"model={model}", f"data_jsonl={data}", f"prior={prior}", f"anchor.method={method}",
                   *coefficient_overrides(method, 0.1, 0.01), "train.max_steps=3", "train.lr=1e-3", "train.log_every=1",
-                  "--no-progress"]  # fmt: skip
+                  "--no-progress", *extra]  # fmt: skip
         if method not in done:
             done[method] = tmp / method
             run([sys.executable, "-m", "rpb", "train", f"output_dir={done[method]}", "train.batch_size=4", *common])
@@ -143,3 +143,18 @@ def test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks(fsdp
     assert whole["routing/min/topk_overlap"] < 1 and whole["routing/mean/kl"] > 0  # the routers did move
     assert sharded.keys() == whole.keys()
     assert all(sharded[k] == pytest.approx(whole[k], abs=1e-6) for k in whole), (sharded, whole)
+
+
+def test_a_routing_target_steps_the_same_lambda_on_two_processes_as_on_one(one_process, tmp_path):
+    """routing-kd with anchor.target: each optimizer step's overlap is summed over the ranks before the controller
+    reads it, so both ranks log the overlap and the λ sequence one process logs on the whole batch."""
+    _, one_run = one_process
+    # two steps: the base, then one update (later ones let the two runs' float sums differ at near-tied choices)
+    common, single = one_run("routing-kd", "anchor.target=0.999", "train.max_steps=2")
+    run([*TORCHRUN, "-m", "rpb", "train", f"output_dir={tmp_path / 'two'}", "train.batch_size=2", *common])
+    logs = [[json.loads(line) for line in (run_ / "log.jsonl").read_text().splitlines() if '"anchor/lambda"' in line]
+            for run_ in (tmp_path / "two", single)]  # fmt: skip
+    assert len(logs[0]) == len(logs[1]) == 2
+    for key in ("anchor/overlap", "anchor/overlap_min", "anchor/lambda"):
+        assert [r[key] for r in logs[0]] == pytest.approx([r[key] for r in logs[1]], abs=1e-6), key
+    assert logs[1][0]["anchor/overlap"] == 1.0 and logs[1][-1]["anchor/lambda"] != 1.0  # it moved, and λ with it
