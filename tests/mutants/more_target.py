@@ -56,4 +56,14 @@ MUTANTS: tuple[Mutant, ...] = (
         replacement="",
         tests=(f"{RANKS}::test_a_routing_target_steps_the_same_lambda_on_two_processes_as_on_one",),
     ),
+    Mutant(
+        name="overlap_keeps_only_the_last_micro_batch",
+        story="each micro-batch's counts replace the step's so far: with accumulation the step's overlap is its last "
+        "micro-batch's",
+        path="anchors/overlap.py",
+        function="OverlapCounts.add",
+        pattern=r"self\.shared_L\[pos\] \+= shared\n        self\.tokens_L\[pos\] \+= tokens",
+        replacement="self.shared_L[pos] = shared\n        self.tokens_L[pos] = tokens",
+        tests=(f"{HOLD}::test_the_logged_overlap_is_the_hand_count_of_each_steps_sets[2]",),
+    ),
 )

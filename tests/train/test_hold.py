@@ -65,24 +65,31 @@ class Training(TrainerCallback):
         return hook
 
 
-def test_the_logged_overlap_is_the_hand_count_of_each_steps_sets(setup, tmp_path):
-    seen = watched_run(setup, tmp_path)
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_logged_overlap_is_the_hand_count_of_each_steps_sets(accumulation, setup, tmp_path):
+    """Every micro-batch of an optimizer step counts (with accumulation 2, each step's two forwards)."""
+    batching = [f"train.grad_accum={accumulation}", f"train.batch_size={4 // accumulation}"]
+    seen = watched_run(setup, tmp_path, *batching)
     base = AutoModelForCausalLM.from_pretrained(setup[0])
     base_ids = own_topk(base, [s["inputs"] for s in seen.steps])
     logs = [r for r in log_of(tmp_path / "out") if "anchor/overlap" in r]
-    assert len(logs) == len(seen.steps) == 3
-    for step, (s, mine, log) in enumerate(zip(seen.steps, base_ids, logs, strict=True)):
-        keep = s["inputs"]["attention_mask"].reshape(-1).bool()
+    assert len(logs) == 3 and len(seen.steps) == 3 * accumulation
+    for step, log in enumerate(logs):
+        forwards = range(step * accumulation, (step + 1) * accumulation)
         per_layer = []
-        for p, ids in s["ids"].items():
-            shared = (ids[:, :, None] == mine[p][:, None, :]).any(-1).sum(-1).double() / ids.shape[-1]
-            per_layer.append(float(shared[keep].mean()))
+        for p in seen.steps[0]["ids"]:
+            shared = torch.cat([
+                ((seen.steps[f]["ids"][p][:, :, None] == base_ids[f][p][:, None, :]).any(-1).sum(-1).double()
+                 / seen.steps[f]["ids"][p].shape[-1])[seen.steps[f]["inputs"]["attention_mask"].reshape(-1).bool()]
+                for f in forwards
+            ])  # fmt: skip
+            per_layer.append(float(shared.mean()))  # the layer's token mean over the step's micro-batches
         assert log["anchor/overlap"] == pytest.approx(sum(per_layer) / len(per_layer), abs=1e-12), step
         assert log["anchor/overlap_min"] == pytest.approx(min(per_layer), abs=1e-12), step
     assert logs[0]["anchor/overlap"] == 1.0 and logs[-1]["anchor/overlap"] < 1.0  # the base, then it moves
 
 
-def watched_run(setup, tmp_path) -> Training:
+def watched_run(setup, tmp_path, *overrides) -> Training:
     """Run ``rpb train`` with routing-kd for 3 steps, the test's watcher on the model it trains."""
     import rpb.train.run as run_module
 
@@ -96,7 +103,7 @@ def watched_run(setup, tmp_path) -> Training:
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(run_module, "prepare_run", watching)
-        run_training(config(setup, tmp_path / "out", "routing-kd", steps=3), progress=False)
+        run_training(config(setup, tmp_path / "out", "routing-kd", *overrides, steps=3), progress=False)
     return watched["w"]
 
 
