@@ -375,3 +375,23 @@ def test_the_full_grids_readme_phrases_follow_its_report():
     after = full_readme_phrases(report, holm)
     assert "+99.9 [+98.0, +99.9] points on math" in after[0] and before[0] != after[0]
     assert after[1] == "after Holm's adjustment 1 of its 36 claims reproduce, 2 are contradicted and 33 inconclusive"
+
+
+def test_the_router_freeze_answer_quotes_the_full_grids_report():
+    """docs/methods.md and the README say what router-freeze kept in the full grid, as its report has it."""
+    report = (DOCS / "results" / "full" / "tables.md").read_text()
+    rows = {}
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] in ("sft", "router-freeze"):
+            rows.setdefault(cells[0], []).append(cells)
+    # per method: the math and code score rows, then the math and code mechanism rows (the order of the report)
+    overlap = {m: [r[3].split(" ")[0] for r in rows[m][2:4]] for m in ("sft", "router-freeze")}
+    ood = [r[5] for r in rows["router-freeze"][:2]]
+    methods = flat((DOCS / "methods.md").read_text())
+    assert overlap == {"sft": ["0.549", "0.625"], "router-freeze": ["0.565", "0.642"]}
+    assert (f"{overlap['router-freeze'][0]} on math and {overlap['router-freeze'][1]} on code, against `sft`'s "
+            f"{overlap['sft'][0]} and {overlap['sft'][1]}") in methods  # fmt: skip
+    assert f"{ood[0].replace('-', '−')} and {ood[1].replace('-', '−')} out-of-domain points" in methods
+    readme = flat(README)
+    assert f"{overlap['router-freeze'][0]} / {overlap['router-freeze'][1]} against `sft`'s" in readme
