@@ -287,6 +287,30 @@ def test_a_kl_below_zero_by_rounding_is_zero():
     assert figures["kl"][0] == 0.0 and figures["kl"][1] == pytest.approx(3e-4)
 
 
+def anchored_step_beside_the_base(model, base, handle, monitor, facts, ids, labels):
+    """One anchored forward of ``model`` (its base routing from ``handle``'s teacher) and one eval forward of the
+    checkpoint ``base`` on ``ids``: each MoE layer's (router logits, top-k ids) as each router returned them (hooks
+    of the test's own, the model's first so the anchor cannot change what they read), and the monitor's figures."""
+    seen, own = {}, {}
+
+    def keep(into, p):
+        return lambda mod, a, out: into.__setitem__(p, (out[0].detach(), out[2].detach()))
+
+    hooks = [m.router.register_forward_hook(keep(seen, p), prepend=True)
+             for p, m in enumerate(find_moe_layers(model, facts))]  # fmt: skip
+    hooks += [m.router.register_forward_hook(keep(own, p)) for p, m in enumerate(find_moe_layers(base, facts))]
+    with torch.no_grad():
+        base(input_ids=ids)
+    sample = torch.zeros_like(ids)
+    with handle.step(sample, torch.ones_like(ids), torch.ones_like(ids)) as ctx:
+        ctx.base = handle.base_routing({"input_ids": ids}, sample)
+        with torch.no_grad():
+            model(input_ids=ids, labels=labels)
+    for h in hooks:
+        h.remove()
+    return seen, own, monitor.flush()
+
+
 def test_with_the_base_forward_at_hand_the_routing_drift_is_read_against_the_bases_own_routing(save_tiny):
     """routing-kd's online base: the monitor adds the base's routing on its own hidden states against the model's,
     read against two forwards by hand (the router's drift figures stay on the current hidden states)."""
@@ -309,25 +333,11 @@ def test_with_the_base_forward_at_hand_the_routing_drift_is_read_against_the_bas
     labels = ids.clone()
     labels[:, :3] = -100
     base = load_causal_lm(str(model_dir)).eval()
-    seen, own = {}, {}
-    hooks = [m.router.register_forward_hook(lambda mod, a, out, p=p: seen.__setitem__(p, out[0].detach()))
-             for p, m in enumerate(find_moe_layers(model, facts))]  # fmt: skip
-    hooks += [m.router.register_forward_hook(lambda mod, a, out, p=p: own.__setitem__(p, out[0].detach()))
-              for p, m in enumerate(find_moe_layers(base, facts))]  # fmt: skip
-    with torch.no_grad():
-        base(input_ids=ids)
-    sample = torch.zeros_like(ids)
-    with handle.step(sample, torch.ones_like(ids), torch.ones_like(ids)) as ctx:
-        ctx.base = handle.base_routing({"input_ids": ids}, sample)
-        with torch.no_grad():
-            model(input_ids=ids, labels=labels)
-    for h in hooks:
-        h.remove()
-    figures = monitor.flush()
+    seen, own, figures = anchored_step_beside_the_base(model, base, handle, monitor, facts, ids, labels)
     keep = (labels != -100).reshape(-1)
     overlaps, kls = [], []
     for pos in sorted(seen):
-        q, p = torch.softmax(own[pos][keep].double(), -1), torch.softmax(seen[pos][keep].double(), -1)
+        q, p = torch.softmax(own[pos][0][keep].double(), -1), torch.softmax(seen[pos][0][keep].double(), -1)
         k = ARCHITECTURES["qwen3_moe"][1]["num_experts_per_tok"]
         top_q, top_p = q.topk(k, -1).indices, p.topk(k, -1).indices  # qwen3_moe: plain top-k of the softmax
         overlaps.append((top_p[:, :, None] == top_q[:, None, :]).any(-1).sum(-1).double().mean() / k)
@@ -380,22 +390,8 @@ def test_the_base_forward_overlap_on_a_family_with_bias_and_groups_is_the_router
     labels = ids.clone()
     labels[:, :4] = -100
     base = load_causal_lm(str(model_dir)).eval()
-    now, own = {}, {}  # layer -> (logits, top-k ids) as each router returned them
-    keep = lambda seen, p: lambda mod, a, out: seen.__setitem__(p, (out[0].detach(), out[2].detach()))  # noqa: E731
-    hooks = [m.router.register_forward_hook(keep(now, p), prepend=True)
-             for p, m in enumerate(find_moe_layers(model, facts))]  # fmt: skip
     base_layers = find_moe_layers(base, facts)
-    hooks += [m.router.register_forward_hook(keep(own, p)) for p, m in enumerate(base_layers)]
-    with torch.no_grad():
-        base(input_ids=ids)
-    sample = torch.zeros_like(ids)
-    with handle.step(sample, torch.ones_like(ids), torch.ones_like(ids)) as ctx:
-        ctx.base = handle.base_routing({"input_ids": ids}, sample)
-        with torch.no_grad():
-            model(input_ids=ids, labels=labels)
-    for h in hooks:
-        h.remove()
-    figures = monitor.flush()
+    now, own, figures = anchored_step_beside_the_base(model, base, handle, monitor, facts, ids, labels)
     counted = (labels != -100).reshape(-1)
     overlaps, unbiased = [], []
     for pos, layer in enumerate(base_layers):
