@@ -52,8 +52,7 @@ from rpb.toyworld.study.stats import (
     equivalent,
     greater,
     holm,
-    not_run,
-    paired_differences,
+    judge_paired,
     threshold_above,
 )
 from rpb.toyworld.world.generators import DOMAINS, POST_SETS
@@ -239,15 +238,11 @@ class HoldStudy(PairedStudy):
 
 def judge_hold(results: list[dict], sets: tuple[str, ...]) -> list[Verdict]:
     """The grid's claims (module doc) on every set, Holm across claims 1-5, 7 and 8; claim 6 after them, unadjusted."""
-    arms = {r["arm"] for r in results}
     family: list[Verdict] = []
     outside: list[Verdict] = []
 
     def judged(rule, claim, arm, reference, post_set, metric, *args):
-        if not {arm, reference} <= arms:
-            return not_run(claim)
-        d = paired_differences(results, post_set, arm, reference, metric)
-        return rule(claim, d, *args) if d else not_run(claim)
+        return judge_paired(results, rule, claim, arm, reference, post_set, metric, *args)
 
     for s in sets:
         # fmt: skip below: one claim a row, its rule, arms, metric and margin side by side

@@ -63,6 +63,15 @@ def paired_differences(results: list[dict], post_set: str, arm: str, reference: 
     return dict(out)
 
 
+def judge_paired(results: list[dict], rule, claim: str, arm: str, reference: str, post_set: str, metric: str, *args):
+    """``rule(claim, paired differences, *args)`` of ``arm`` against ``reference`` on ``post_set``; ``not run`` where
+    either arm has no cell or no pair."""
+    if not {arm, reference} <= {r["arm"] for r in results}:
+        return not_run(claim)
+    d = paired_differences(results, post_set, arm, reference, metric)
+    return rule(claim, d, *args) if d else not_run(claim)
+
+
 def two_stage_bootstrap(diffs: dict[int, list[float]], resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED):
     """Resampled means: bases with replacement, then seeds within each drawn base with replacement.
 
