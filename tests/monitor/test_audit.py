@@ -381,7 +381,7 @@ def small_lr_files(save_tiny, tmp_path_factory):
 def test_a_working_kl_to_base_at_the_docs_lambda_is_no_contradiction_in_sft(arch, lr, small_lr_files, tmp_path):
     """docs' lambda 0.1, one step from the base at a small learning rate: the anchor's gradient is a millionth of
     the LM's or less, yet it reaches the router (the audit asks with its coefficient scaled up)."""
-    from rpb.monitor.run import run_audit
+    from rpb.train.audit import run_audit
 
     models, data = small_lr_files
     report = run_audit(None, [f"model={models[arch]}", f"data_jsonl={data}", f"output_dir={tmp_path / 'run'}",

@@ -26,12 +26,12 @@ from rpb.experts import read_choice, train_only_experts
 from rpb.experts.run import run_experts
 from rpb.models import load_causal_lm, load_tokenizer
 from rpb.monitor import MonitorConfig, RoutingMonitor, audit
-from rpb.monitor.run import run_audit
 from rpb.prior.artifact import load_artifact
 from rpb.retention.revert import BASE, POST, REVERTED, Pair, measure_domain
 from rpb.retention.revert_run import load_pair, run_revert
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.replicas import REPLICAS, published, routing_part
+from rpb.train.audit import run_audit
 from rpb.train.lora import LoraSection, apply_lora
 from tests.collect.test_from_routes import hand_frequency
 from tests.test_routing import reference_route

@@ -397,7 +397,7 @@ TESTED_THROUGH: dict[str, tuple[str, ...]] = {
     "errors.py": ("test_models.py", "adapters/test_hf.py"),
     "experts/choice.py": ("experts/test_run.py",),
     "integrations/megatron/install.py": ("integrations/megatron/test_router.py",),
-    "monitor/run.py": ("train/test_run_wiring.py",),
+    "train/audit.py": ("train/test_run_wiring.py",),
     "monitor/verdict.py": ("monitor/test_audit.py",),
     "retention/markdown.py": ("retention/test_plots.py",),
     "retention/stats.py": ("retention/test_run.py",),

@@ -20,11 +20,12 @@ from rpb.collect import collect
 from rpb.data import AnchorCollator, ExampleDataset, load_labelled
 from rpb.errors import ArgumentError
 from rpb.models import load_tokenizer
+from rpb.monitor.asked import routers_frozen_before_lora
 from rpb.prior.artifact import load_artifact
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.models import ARCHITECTURES, build_tiny_model
 from rpb.train.config import load_config
-from rpb.train.lora import LoraSection, apply_lora, routers_frozen_before_lora
+from rpb.train.lora import LoraSection, apply_lora
 from rpb.train.run import run_training
 from tests.conftest import coefficient_overrides
 from tests.hand_routing import hand_select, token_bias

@@ -30,8 +30,8 @@ import rpb.train.run
 from rpb.anchors import AnchorHandle
 from rpb.collect import collect
 from rpb.data import AnchorCollator
-from rpb.monitor.run import run_audit
 from rpb.testing.data import write_jsonl
+from rpb.train.audit import run_audit
 from rpb.train.config import load_config
 from rpb.train.run import prepare_run, run_training
 from rpb.train.trainer import AnchorTrainer, AnchorTrainerMixin

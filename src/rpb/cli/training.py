@@ -48,7 +48,7 @@ def _experts(args) -> int:
 
 
 def _audit(args) -> int:
-    from rpb.monitor.run import run_audit
+    from rpb.train.audit import run_audit
 
     report = run_audit(args.config, args.overrides, rows=args.rows, out=args.report)
     print(report.table())

@@ -4,7 +4,7 @@ the model as the user left it. An ``Asked`` handed to ``audit`` overrides what i
 From the model, per MoE layer: a router counts as frozen when PEFT does not wrap it and none of its parameters
 requires a gradient. PEFT freezes every base weight, so a router it wraps (a trainable copy, LoRA on its weight)
 cannot show whether it was frozen on purpose before: rpb's ``lora:`` path records which routers were frozen
-before it wrapped (``rpb.train.lora.routers_frozen_before_lora``), and those count as frozen. On a model the user
+before it wrapped (``routers_frozen_before_lora``), and those count as frozen. On a model the user
 wrapped there is no record: its wrapped routers count as free, with one warning naming the ``Asked`` field that
 says otherwise. The model's native load-balancing loss is asked where its config turns it on
 (``output_router_logits`` with ``router_aux_loss_coef`` > 0); an rpb anchor asks it off.
@@ -17,9 +17,18 @@ import logging
 from rpb.adapters import MoELayer
 from rpb.anchors import get_method
 from rpb.monitor.verdict import Asked
-from rpb.train.lora import routers_frozen_before_lora
 
 logger = logging.getLogger(__name__)
+
+#: attribute of a model ``rpb.train.lora.apply_lora`` wrapped: the decoder-layer indices of the routers frozen
+#: before the wrap, which the audit reads (PEFT's wrap hides it)
+FROZEN_ROUTERS = "rpb_routers_frozen_before_lora"
+
+
+def routers_frozen_before_lora(model) -> tuple[int, ...] | None:
+    """The decoder-layer indices of the routers that had no trainable parameter when ``apply_lora`` wrapped
+    ``model`` (None: ``apply_lora`` did not wrap it)."""
+    return vars(model).get(FROZEN_ROUTERS)
 
 
 def asked_from_config(cfg) -> Asked:

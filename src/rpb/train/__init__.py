@@ -6,7 +6,8 @@ since it reads the data, the anchors, the collector's clip and the adapters, whi
 ``dryrun`` goes through every stage a run would refuse without loading the model (``rpb train --dry-run``);
 ``run`` is the job (model, data, anchor, Trainer arguments; ``run_training``); ``start`` writes what the log
 opens with before the first step; ``trainer`` is the Trainer with the anchor's step context and ``log.jsonl``;
-``checkpoints`` makes runs resumable; ``lora`` is the ``lora:`` section with PEFT.
+``checkpoints`` makes runs resumable; ``lora`` is the ``lora:`` section with PEFT; ``audit`` is ``rpb audit``'s job
+on an ``rpb train`` configuration.
 
 Nothing is re-exported: import each name from its module (docs/api.md says which), so importing this package
 loads none of them.

@@ -10,10 +10,10 @@ router that runs in every case (``rpb.adapters.running_router``) and their loss 
 The anchor goes in after ``get_peft_model``: PEFT replaces or copies the router modules.
 
 PEFT freezes every base weight, so a wrapped model no longer shows which routers the user had frozen before.
-``apply_lora`` records them on the model it returns (``routers_frozen_before_lora``: their decoder-layer
-indices), which ``rpb audit`` reads to hold such a router frozen even where PEFT wraps it. The record is a plain
-attribute of the PEFT wrapper (``FROZEN_ROUTERS``): ``merge_and_unload`` drops it with the wrapper, and deleting
-the attribute undoes it.
+``apply_lora`` records them on the model it returns (their decoder-layer indices), which ``rpb audit`` reads
+(``rpb.monitor.asked.routers_frozen_before_lora``) to hold such a router frozen even where PEFT wraps it. The
+record is a plain attribute of the PEFT wrapper (``asked.FROZEN_ROUTERS``): ``merge_and_unload`` drops it with the
+wrapper, and deleting the attribute undoes it.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ from typing import Literal
 from torch import nn
 
 from rpb.adapters import RouterFacts, find_moe_layers
+from rpb.monitor import asked
 
 RouterTraining = Literal["none", "full", "lora"]
 #: every Linear under a decoder layer's attention, its norms aside (MLA's q_a_layernorm, kv_a_layernorm)
 ATTENTION_MODULES = r".*\.self_attn\.(?!\w*norm)\w+"
-#: attribute of a model ``apply_lora`` wrapped: the decoder-layer indices of the routers frozen before the wrap
-FROZEN_ROUTERS = "rpb_routers_frozen_before_lora"
 
 
 @dataclass
@@ -100,18 +99,12 @@ def apply_lora(model: nn.Module, section: LoraSection, facts: RouterFacts) -> nn
 
     frozen = tuple(m.layer_index for m in find_moe_layers(model, facts) if not m.trainable)
     wrapped = get_peft_model(model, lora_config(section, facts))
-    setattr(wrapped, FROZEN_ROUTERS, frozen)
+    setattr(wrapped, asked.FROZEN_ROUTERS, frozen)
     if section.experts_from is not None:
         from rpb.experts import mask_lora_to_experts, read_choice
 
         mask_lora_to_experts(wrapped, read_choice(section.experts_from), facts)
     return wrapped
-
-
-def routers_frozen_before_lora(model: nn.Module) -> tuple[int, ...] | None:
-    """The decoder-layer indices of the routers that had no trainable parameter when ``apply_lora`` wrapped
-    ``model`` (None: ``apply_lora`` did not wrap it)."""
-    return vars(model).get(FROZEN_ROUTERS)
 
 
 def save_lora(model: nn.Module, out: str | Path, merge: bool) -> nn.Module:
