@@ -1,17 +1,23 @@
 """The monitor inside a plain ``transformers.Trainer`` run (no rpb anchor): the bounded set of figures reaches
-TensorBoard (read back from the event files), and an alarm fires on a run built to collapse a layer."""
+TensorBoard (read back from the event files), and an alarm fires on a run built to collapse a layer. A trainer's own
+monitor (``attach_default_monitor``): asked for, it attaches; unasked, where the anchor has the base's routing at hand
+(``routing-kd``), and off with one line under FSDP1, whose flat parameters it would refuse; a ``monitor:`` section
+of ``rpb train`` asks for it."""
 
 from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from rpb.adapters import find_moe_layers, get_adapter
+from rpb.errors import ConfigError
 from rpb.monitor import FIGURES, MonitorConfig, attach_monitor
+from rpb.monitor.callback import RoutingMonitorCallback, attach_default_monitor
 from rpb.testing.models import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -173,3 +179,55 @@ def test_trainer_state_json_holds_the_figures_and_a_second_train_logs_them_again
     assert len(again) == 2 and all("routing/mean/kl" in logs for logs in again)
     assert all("routing/mean/kl" in entry for entry in t.state.log_history if "loss" in entry)
     assert again[0]["routing/mean/kl"] > 0  # the base is the first run's start, which both runs left
+
+
+def stand_in(overlap: bool, **args):
+    anchor = SimpleNamespace(overlap=object() if overlap else None, facts=SimpleNamespace(model_type="deepseek_v3"))
+    return SimpleNamespace(
+        anchor=anchor,
+        args=TrainingArguments(output_dir="unused", use_cpu=True, report_to="none", **args),
+        callback_handler=SimpleNamespace(callbacks=[]),
+    )
+
+
+FSDP1 = {"fsdp": "full_shard auto_wrap"}
+FSDP2 = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["X"]}}
+
+
+@pytest.mark.parametrize(
+    ("overlap", "args", "config", "attached"),
+    [
+        (True, {}, None, True),  # routing-kd: the base's routing at hand
+        (False, {}, None, False),  # no base at hand: off unless asked
+        (False, {}, MonitorConfig(enabled=True), True),
+        (True, {}, MonitorConfig(enabled=False), False),
+        (True, FSDP2, None, True),  # FSDP2's shards are gathered
+        (True, FSDP1, None, False),  # unasked under FSDP1: off, not a refusal
+        (True, FSDP1, MonitorConfig(enabled=True), True),  # asked: attached (refused at the first step, by name)
+    ],
+)
+def test_the_monitor_attaches_where_asked_or_where_the_base_is_at_hand(overlap, args, config, attached, caplog):
+    t = stand_in(overlap, **args)
+    with caplog.at_level(logging.INFO, logger="rpb.monitor"):
+        callback = attach_default_monitor(t, config)
+    assert (callback is not None) == attached
+    assert t.callback_handler.callbacks == ([callback] if attached else [])
+    if attached:
+        assert isinstance(callback, RoutingMonitorCallback) and callback.anchor is t.anchor
+    said = [r.getMessage() for r in caplog.records if "FSDP1" in r.getMessage()]
+    assert len(said) == (1 if (args is FSDP1 and config is None) else 0)
+
+
+def test_a_monitor_section_asks_for_the_monitor_and_its_fields_are_checked(tmp_path):
+    from rpb.train.config import load_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    common = ["model=m", f"data_jsonl={data}", f"output_dir={tmp_path}", "train.max_seq_len=8", "anchor.method=sft"]
+    assert load_config(None, common).monitor == MonitorConfig()  # unasked: on where the base is at hand
+    assert load_config(None, [*common, "monitor.every_n_steps=5"]).monitor == MonitorConfig(True, 5)
+    assert load_config(None, [*common, "monitor.enabled=false"]).monitor.enabled is False
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*common, "monitor.every_n_steps=0", "monitor.router_transform=tanh", "monitor.bogus=1"])
+    said = "\n".join(e.value.problems)
+    assert all(k in said for k in ("monitor.every_n_steps", "monitor.router_transform", "monitor.bogus: unknown key"))

@@ -58,8 +58,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "counts as frozen by hand",
         path="train/lora.py",
         function="apply_lora",
-        pattern=r"setattr\(wrapped, FROZEN_ROUTERS, frozen\)",
-        replacement="setattr(wrapped, FROZEN_ROUTERS, tuple(m.layer_index for m in find_moe_layers(model, facts) "
+        pattern=r"setattr\(wrapped, asked.FROZEN_ROUTERS, frozen\)",
+        replacement="setattr(wrapped, asked.FROZEN_ROUTERS, tuple(m.layer_index for m in find_moe_layers(model, facts) "
         "if not m.trainable))",
         tests=(f"{AUDIT}::test_a_router_frozen_by_hand_before_rpbs_lora_then_trained_as_a_copy_is_caught",),
     ),

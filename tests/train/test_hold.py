@@ -54,7 +54,7 @@ class Training(TrainerCallback):
 
     def _inputs(self, module, args, kwargs):
         if module.training and torch.is_grad_enabled():
-            batch = {k: kwargs[k].detach().clone() for k in ("input_ids", "attention_mask") if k in kwargs}
+            batch = {k: kwargs[k].detach().clone() for k in ("input_ids", "attention_mask", "labels") if k in kwargs}
             self.steps.append({"inputs": batch, "ids": {}})
 
     def _keep(self, p):
@@ -67,26 +67,36 @@ class Training(TrainerCallback):
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_the_logged_overlap_is_the_hand_count_of_each_steps_sets(accumulation, setup, tmp_path):
-    """Every micro-batch of an optimizer step counts (with accumulation 2, each step's two forwards)."""
+    """Every micro-batch of an optimizer step counts (with accumulation 2, each step's two forwards). The monitor,
+    on with no configuration (the online base is at hand), logs the same sets' overlap over the loss tokens."""
     batching = [f"train.grad_accum={accumulation}", f"train.batch_size={4 // accumulation}"]
     seen = watched_run(setup, tmp_path, *batching)
     base = AutoModelForCausalLM.from_pretrained(setup[0])
-    base_ids = own_topk(base, [s["inputs"] for s in seen.steps])
+    base_ids = own_topk(base, [{k: v for k, v in s["inputs"].items() if k != "labels"} for s in seen.steps])
     logs = [r for r in log_of(tmp_path / "out") if "anchor/overlap" in r]
     assert len(logs) == 3 and len(seen.steps) == 3 * accumulation
-    for step, log in enumerate(logs):
-        forwards = range(step * accumulation, (step + 1) * accumulation)
-        per_layer = []
+
+    def per_layer(step: int, counted) -> list[float]:
+        """Each layer's token mean of |S ∩ S_base| / k over the step's micro-batches, on the tokens ``counted``."""
+        forwards, out = range(step * accumulation, (step + 1) * accumulation), []
         for p in seen.steps[0]["ids"]:
             shared = torch.cat([
                 ((seen.steps[f]["ids"][p][:, :, None] == base_ids[f][p][:, None, :]).any(-1).sum(-1).double()
-                 / seen.steps[f]["ids"][p].shape[-1])[seen.steps[f]["inputs"]["attention_mask"].reshape(-1).bool()]
+                 / seen.steps[f]["ids"][p].shape[-1])[counted(seen.steps[f]["inputs"]).reshape(-1)]
                 for f in forwards
             ])  # fmt: skip
-            per_layer.append(float(shared.mean()))  # the layer's token mean over the step's micro-batches
-        assert log["anchor/overlap"] == pytest.approx(sum(per_layer) / len(per_layer), abs=1e-12), step
-        assert log["anchor/overlap_min"] == pytest.approx(min(per_layer), abs=1e-12), step
+            out.append(float(shared.mean()))
+        return out
+
+    for step, log in enumerate(logs):
+        attended = per_layer(step, lambda x: x["attention_mask"].bool())  # the tokens routing-kd averages
+        assert log["anchor/overlap"] == pytest.approx(sum(attended) / len(attended), abs=1e-12), step
+        assert log["anchor/overlap_min"] == pytest.approx(min(attended), abs=1e-12), step
+        lossy = per_layer(step, lambda x: x["labels"] != -100)  # the monitor's: the loss tokens
+        assert log["routing/mean/base_forward_topk_overlap"] == pytest.approx(sum(lossy) / len(lossy), abs=1e-12)
+        assert log["routing/min/base_forward_topk_overlap"] == pytest.approx(min(lossy), abs=1e-12), step
     assert logs[0]["anchor/overlap"] == 1.0 and logs[-1]["anchor/overlap"] < 1.0  # the base, then it moves
+    assert logs[-1]["routing/mean/base_forward_topk_overlap"] < 1.0
 
 
 def watched_run(setup, tmp_path, *overrides) -> Training:

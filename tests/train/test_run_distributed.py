@@ -146,15 +146,17 @@ def test_the_monitor_under_fsdp2_copies_whole_routers_and_counts_both_ranks(fsdp
 
 
 def test_a_routing_target_steps_the_same_lambda_on_two_processes_as_on_one(one_process, tmp_path):
-    """routing-kd with anchor.target: each optimizer step's overlap is summed over the ranks before the controller
-    reads it, so both ranks log the overlap and the λ sequence one process logs on the whole batch."""
+    """routing-kd with anchor.target, the two processes under FSDP2: each optimizer step's overlap is summed over
+    the ranks before the controller reads it, so both ranks log the overlap and the λ sequence one process logs on
+    the whole batch; the monitor, on with no configuration, logs the base-forward figures one process logs."""
     _, one_run = one_process
     # two steps: the base, then one update (later ones let the two runs' float sums differ at near-tied choices)
     common, single = one_run("routing-kd", "anchor.target=0.999", "train.max_steps=2")
-    run([*TORCHRUN, "-m", "rpb", "train", f"output_dir={tmp_path / 'two'}", "train.batch_size=2", *common])
+    run([*TORCHRUN, "-m", "rpb", "train", f"output_dir={tmp_path / 'two'}", "train.batch_size=2", *common, *FSDP])
     logs = [[json.loads(line) for line in (run_ / "log.jsonl").read_text().splitlines() if '"anchor/lambda"' in line]
             for run_ in (tmp_path / "two", single)]  # fmt: skip
     assert len(logs[0]) == len(logs[1]) == 2
-    for key in ("anchor/overlap", "anchor/overlap_min", "anchor/lambda"):
+    for key in ("anchor/overlap", "anchor/overlap_min", "anchor/lambda", "routing/mean/base_forward_topk_overlap",
+                "routing/mean/topk_overlap"):  # fmt: skip
         assert [r[key] for r in logs[0]] == pytest.approx([r[key] for r in logs[1]], abs=1e-6), key
     assert logs[1][0]["anchor/overlap"] == 1.0 and logs[1][-1]["anchor/lambda"] != 1.0  # it moved, and λ with it

@@ -7,7 +7,7 @@ states; ``attach_monitor(trainer)`` puts it into a Hugging Face / TRL Trainer's 
 """
 
 from rpb.monitor.audit import asked_from_config, audit
-from rpb.monitor.callback import RoutingMonitorCallback, attach_monitor
+from rpb.monitor.callback import RoutingMonitorCallback, attach_default_monitor, attach_monitor
 from rpb.monitor.routing import FIGURES, MonitorConfig, RoutingMonitor
 from rpb.monitor.verdict import Asked, AuditReport
 
@@ -19,6 +19,7 @@ __all__ = [
     "RoutingMonitor",
     "RoutingMonitorCallback",
     "asked_from_config",
+    "attach_default_monitor",
     "attach_monitor",
     "audit",
 ]

@@ -58,6 +58,32 @@ class RoutingMonitorCallback(TrainerCallback):
             self.monitor.remove()
 
 
+def fsdp1(args) -> bool:
+    """The Trainer wraps the model with FSDP1, whose flat parameters hide each router's weight (version 2 shards
+    them as DTensors, which the monitor gathers)."""
+    return bool(getattr(args, "fsdp", None)) and (getattr(args, "fsdp_config", None) or {}).get("version", 1) == 1
+
+
+def attach_default_monitor(trainer, config: MonitorConfig | None = None) -> RoutingMonitorCallback | None:
+    """A trainer's own monitor (``MonitorConfig.enabled``): asked for, or, unasked, where the trainer's rpb anchor has
+    the base's routing at hand (``routing-kd``). Unasked, it stays off under FSDP1 with one line in the log, so a
+    set-up that runs without it never becomes a refusal; asked for, FSDP1 is refused when training starts."""
+    config = config or MonitorConfig()
+    anchor = getattr(trainer, "anchor", None)
+    if config.enabled is False:
+        return None
+    if config.enabled is None:
+        if anchor is None or getattr(anchor, "overlap", None) is None:
+            return None
+        if fsdp1(trainer.args):
+            logger.info(
+                "rpb monitor: off under FSDP1, whose flat parameters hide the routers' weights; under FSDP2 "
+                '(fsdp_config {"version": 2}) it is on'
+            )
+            return None
+    return attach_monitor(trainer, config, anchor.facts.model_type if anchor is not None else None)
+
+
 def attach_monitor(trainer, config: MonitorConfig | None = None, adapter: str | None = None) -> RoutingMonitorCallback:
     """Add the monitor to a built Trainer, first among its callbacks (reading the routers through the trainer's
     rpb anchor when it has one); returns the callback."""

@@ -50,6 +50,10 @@ logger = logging.getLogger("rpb.monitor")
 
 @dataclass
 class MonitorConfig:
+    #: a trainer's monitor (``rpb train``'s ``monitor:``, rpb's TRL trainers, the axolotl plugin): None, on where
+    #: the base's routing is at hand (``routing-kd``: its online base or stored routes), so the routing's drift is
+    #: logged with no configuration; True, on; False, off. ``attach_monitor`` attaches whatever it says
+    enabled: bool | None = None
     #: observe one step in every this many (1: every step); the others run untouched
     every_n_steps: int = 1
     #: also log routing/layer_<i>/<figure> for every MoE layer (default: mean, min, max over layers)

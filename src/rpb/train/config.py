@@ -19,6 +19,8 @@ from rpb.anchors.methods import METHODS
 from rpb.data.batches import LossOn
 from rpb.errors import ConfigError
 from rpb.models import DtypeName
+from rpb.monitor.routing import MonitorConfig
+from rpb.prior import ROUTER_TRANSFORMS
 from rpb.train.lora import LoraSection
 
 # YAML spells Python's reserved word as "lambda"
@@ -97,6 +99,9 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    #: the routing monitor (``rpb.monitor``): on where a ``monitor:`` section asks for it, or unasked where the base's
+    #: routing is at hand (``routing-kd``); ``monitor.enabled: false`` turns it off
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 def _accepts(tp, value) -> bool:
@@ -214,6 +219,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     source = str(path) if path else "command line"
     tree = read_tree(path, overrides, problems)
     cfg = build_section(RunConfig, tree, problems)
+    if isinstance(tree.get("monitor"), dict) and "enabled" not in tree["monitor"]:
+        cfg.monitor.enabled = True  # a monitor: section (or a monitor.* override) asks for the monitor
     problems += validate(cfg)
     if problems:
         raise ConfigError(source, problems)
@@ -281,6 +288,10 @@ def validate(cfg: RunConfig) -> list[str]:
         if t.experts_implementation not in registered():
             out.append(f"train.experts_implementation: {t.experts_implementation!r} is not one of {registered()}")
     out += cfg.lora.problems()
+    if cfg.monitor.every_n_steps < 1:
+        out.append(f"monitor.every_n_steps: must be >= 1, got {cfg.monitor.every_n_steps}")
+    if cfg.monitor.router_transform is not None and cfg.monitor.router_transform not in ROUTER_TRANSFORMS:
+        out.append(f"monitor.router_transform: one of {ROUTER_TRANSFORMS}, got {cfg.monitor.router_transform!r}")
     if cfg.train.only_experts and cfg.lora.enabled:
         out.append("train.only_experts: full fine-tuning of chosen experts; with LoRA use lora.experts.from")
     if cfg.lora.enabled and method is not None and method.freeze_router and cfg.lora.router != "none":

@@ -40,6 +40,12 @@ class RoutingHold(TrainerCallback):
         if controller is not None:
             anchor.lambda_now = controller.lam
 
+    def rebind(self, anchor) -> None:
+        """Count on ``anchor`` from now on (the same anchor reinstalled on another model)."""
+        self.anchor = anchor
+        if self.controller is not None:
+            anchor.lambda_now = self.controller.lam
+
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
         counts = self.anchor.overlap
         flat = counts.flat()

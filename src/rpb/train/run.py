@@ -344,6 +344,7 @@ def run_training(cfg: RunConfig, progress: bool = True, callbacks: list[TrainerC
         data_collator=prepared.collator,
         anchor=prepared.handle,
         expert_mask=prepared.expert_mask,
+        monitor=cfg.monitor,
         # the marker before the caller's callbacks: a checkpoint is complete before anyone else hears of it
         callbacks=[JsonlLog(out / "log.jsonl"), *markers, *(callbacks or [])],
     )

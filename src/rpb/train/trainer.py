@@ -17,6 +17,8 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from rpb.anchors import AnchorHandle
 from rpb.anchors.stats import reduce_across_ranks, routing_metrics
 from rpb.experts.masks import ExpertMask
+from rpb.monitor.callback import attach_default_monitor
+from rpb.monitor.routing import MonitorConfig
 from rpb.train.hold import RoutingHold, controller_of
 
 
@@ -30,7 +32,14 @@ class AnchorTrainerMixin:
     through backward, so gradient checkpointing recomputes with the same bias.
     """
 
-    def __init__(self, *args, anchor: AnchorHandle, expert_mask: ExpertMask | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        anchor: AnchorHandle,
+        expert_mask: ExpertMask | None = None,
+        monitor: MonitorConfig | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.anchor = anchor
         self.expert_mask = expert_mask
@@ -39,6 +48,17 @@ class AnchorTrainerMixin:
         self.rpb_hold = RoutingHold(anchor, controller_of(anchor)) if anchor.overlap is not None else None
         if self.rpb_hold is not None:
             self.add_callback(self.rpb_hold)
+        # the routing's drift in the logs: on by default where the base's routing is at hand (MonitorConfig.enabled)
+        self.rpb_monitor = attach_default_monitor(self, monitor)
+
+    def rebind_anchor(self, anchor: AnchorHandle) -> None:
+        """The anchor moved onto another model (``AnchorHandle.reinstall``, e.g. once TRL wrapped it with PEFT): the
+        step's overlap, the controller's λ and the monitor's taps follow it."""
+        self.anchor = anchor
+        if self.rpb_hold is not None:
+            self.rpb_hold.rebind(anchor)
+        if self.rpb_monitor is not None:
+            self.rpb_monitor.anchor = anchor
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)

@@ -34,11 +34,14 @@ def test_a_valid_yaml_is_read_and_completed(files):
     run = read_axolotl_config(cfg)
     assert run.data_jsonl == str(files / "train.jsonl") and run.loss_on == "all"
     assert run.section.anchor.beta == 1.0
-    assert run.section.monitor == MonitorConfig(every_n_steps=10, min_overlap=0.5)
+    assert run.section.monitor == MonitorConfig(enabled=True, every_n_steps=10, min_overlap=0.5)  # a mapping asks
     # axolotl's own default with checkpointing on and no kwargs is reentrant; the plugin puts in non-reentrant
     assert cfg["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
     assert cfg["remove_unused_columns"] is False
-    assert read_axolotl_config(yaml_cfg(files)).section.monitor is None  # off unless asked for
+    assert read_axolotl_config(yaml_cfg(files)).section.monitor == MonitorConfig()  # on where the base is at hand
+    cfg = yaml_cfg(files)
+    cfg["rpb"]["monitor"] = False
+    assert read_axolotl_config(cfg).section.monitor == MonitorConfig(enabled=False)
 
 
 def test_every_contradiction_is_listed_at_once(files):

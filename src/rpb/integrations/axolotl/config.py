@@ -48,8 +48,9 @@ class AxolotlSection:
     chat_template_kwargs: dict = field(default_factory=dict)
     #: the adapter for the model type (``rpb.adapters``); None: the model's own ``model_type``
     adapter: str | None = None
-    #: ``rpb.monitor`` against the frozen base routers (``MonitorConfig`` fields); None: off
-    monitor: MonitorConfig | None = None
+    #: ``rpb.monitor`` against the frozen base routers (``MonitorConfig`` fields, or true / false for ``enabled``;
+    #: a mapping asks for it); unasked, on where the base's routing is at hand (``routing-kd``), as in ``rpb train``
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
 
 class RpbArgs(BaseModel):
@@ -86,10 +87,12 @@ def _section(raw, problems: list[str]) -> AxolotlSection:
     raw = dict(raw)
     monitor = raw.pop("monitor", None)
     section = build_section(AxolotlSection, raw, problems, "rpb.")
-    if monitor is True or isinstance(monitor, dict):
-        section.monitor = build_section(MonitorConfig, {} if monitor is True else monitor, problems, "rpb.monitor.")
-    elif monitor not in (None, False):
-        problems.append(f"rpb.monitor: expected a mapping of MonitorConfig fields or true, got {monitor!r}")
+    if isinstance(monitor, bool):
+        section.monitor = MonitorConfig(enabled=monitor)
+    elif isinstance(monitor, dict):  # a mapping asks for the monitor, unless it says enabled: false
+        section.monitor = build_section(MonitorConfig, {"enabled": True, **monitor}, problems, "rpb.monitor.")
+    elif monitor is not None:
+        problems.append(f"rpb.monitor: expected a mapping of MonitorConfig fields, true or false, got {monitor!r}")
     problems += anchor_problems(section.anchor, section.prior, "rpb.")
     return section
 

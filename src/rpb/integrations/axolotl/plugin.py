@@ -13,7 +13,8 @@ axolotl calls them (``axolotl.cli.config.load_cfg``, ``axolotl.cli.train.do_trai
   ``rpb train``) and the anchor installed; ``post_model_load`` moves it onto a PEFT-wrapped model.
 * ``get_trainer_cls`` / ``get_collator_cls_and_kwargs`` / ``get_training_args``: axolotl's trainer class with
   ``AnchorTrainerMixin`` first, ``AnchorCollator``, and ``remove_unused_columns=False``.
-* ``add_callbacks_post_trainer``: ``rpb.monitor`` when the ``rpb:`` block asks for it.
+* ``add_callbacks_post_trainer``: the run's record (``rpb_run.json``). The trainer attaches ``rpb.monitor`` itself
+  (``AnchorTrainerMixin``): asked for by ``rpb: monitor:``, or unasked where the base's routing is at hand.
 * ``post_train``: the anchor removed (axolotl calls it before saving): config.json keeps the model's own
   aux-loss values and the weights are plain transformers.
 """
@@ -139,12 +140,13 @@ class RpbPlugin(BasePlugin):
 
     def get_trainer_cls(self, cfg):
         plugin = self
+        monitor = self._run(cfg).section.monitor
 
         class AnchoredAxolotlTrainer(AnchorTrainerMixin, AxolotlTrainer):
-            """axolotl's trainer carrying the plugin's anchor."""
+            """axolotl's trainer carrying the plugin's anchor (and its monitor, ``rpb: monitor:``)."""
 
             def __init__(self, *args, **kwargs):
-                super().__init__(*args, anchor=plugin.handle, **kwargs)
+                super().__init__(*args, anchor=plugin.handle, monitor=monitor, **kwargs)
 
         return AnchoredAxolotlTrainer
 
@@ -155,11 +157,6 @@ class RpbPlugin(BasePlugin):
         return {"remove_unused_columns": False}
 
     def add_callbacks_post_trainer(self, cfg, trainer) -> list:
-        section = self._run(cfg).section
-        if section.monitor is not None:
-            from rpb.monitor import attach_monitor
-
-            attach_monitor(trainer, section.monitor, section.adapter)  # first among the callbacks
         if trainer.args.process_index == 0 and cfg.output_dir:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
             record = {"axolotl_plugin": {"tested_axolotl": TESTED_AXOLOTL}, **self.info}

@@ -180,7 +180,8 @@ class SFTTrainer(AnchorTrainerMixin, trl.SFTTrainer):
         if self.model is not anchor.model:
             # TRL wrapped the model with ``peft_config``: the routers that run are PEFT's (a copy under
             # modules_to_save, a LoRA-wrapped weight), so the anchor moves onto the wrapped model
-            self.anchor = anchor = anchor.reinstall(self.model)
+            anchor = anchor.reinstall(self.model)
+            self.rebind_anchor(anchor)
         on, reentrant = _checkpointing(self.args)
         if on and reentrant and anchor.method.loss is not None:  # TRL may have forced it (PEFT + ZeRO-3)
             raise ConfigError("SFTTrainer (after TRL's set-up)", _problems(self.args, anchor, None))
