@@ -17,12 +17,11 @@ from transformers import PreTrainedModel, Trainer, TrainerCallback
 from rpb.anchors import AnchorHandle
 from rpb.anchors.stats import reduce_across_ranks, routing_metrics
 from rpb.experts.masks import ExpertMask
-from rpb.monitor.callback import attach_default_monitor
 from rpb.monitor.routing import MonitorConfig
-from rpb.train.hold import RoutingHold, controller_of
+from rpb.train.hold import HoldingTrainer
 
 
-class AnchorTrainerMixin:
+class AnchorTrainerMixin(HoldingTrainer):
     """Makes a Trainer's steps carry the per-token (sample, span) context and add the anchor's loss.
 
     Mix it in before a ``transformers.Trainer`` subclass and pass ``anchor=handle`` (for TRL's
@@ -44,21 +43,8 @@ class AnchorTrainerMixin:
         self.anchor = anchor
         self.expert_mask = expert_mask
         self._anchor_terms: list[float] = []
-        # routing-kd: the step's overlap with the base, and with anchor.target the controller of λ (rpb.train.hold)
-        self.rpb_hold = RoutingHold(anchor, controller_of(anchor)) if anchor.overlap is not None else None
-        if self.rpb_hold is not None:
-            self.add_callback(self.rpb_hold)
-        # the routing's drift in the logs: on by default where the base's routing is at hand (MonitorConfig.enabled)
-        self.rpb_monitor = attach_default_monitor(self, monitor)
-
-    def rebind_anchor(self, anchor: AnchorHandle) -> None:
-        """The anchor moved onto another model (``AnchorHandle.reinstall``, e.g. once TRL wrapped it with PEFT): the
-        step's overlap, the controller's λ and the monitor's taps follow it."""
-        self.anchor = anchor
-        if self.rpb_hold is not None:
-            self.rpb_hold.rebind(anchor)
-        if self.rpb_monitor is not None:
-            self.rpb_monitor.anchor = anchor
+        # routing-kd: the step's overlap with the base, a target's λ; the monitor (rpb.train.hold)
+        self.hold_routing(monitor)
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
@@ -135,16 +121,6 @@ class AnchorTrainerMixin:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or bool(self.compute_loss_func)
         return self.current_gradient_accumulation_steps if scaled else 1
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self.rpb_hold is not None and self.args.should_save:
-            self.rpb_hold.save(output_dir)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if self.rpb_hold is not None and checkpoint is not None:
-            self.rpb_hold.load(checkpoint)
-
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         model = model or self.model
@@ -170,8 +146,7 @@ class AnchorTrainerMixin:
             method = self.anchor.method
             figures = dict(loss=method.loss is not None, base=method.needs_base_router, prior=method.needs_prior)
             logs.update(routing_metrics(stats, index, **figures))
-            if self.rpb_hold is not None:
-                logs.update(self.rpb_hold.logs())
+            logs.update(self.hold_logs())
         super().log(logs, *args, **kwargs)
 
 

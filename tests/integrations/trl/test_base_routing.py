@@ -5,6 +5,8 @@ with its adapters off gives the base; what GRPO cannot serve is refused by name.
 
 from __future__ import annotations
 
+import math
+
 import datasets
 import pytest
 import torch
@@ -164,13 +166,45 @@ def test_what_grpo_cannot_serve_is_refused_by_name(method, base, overrides, mess
         GRPOTrainer(model, reward, grpo_args(tmp_path, **overrides), data, processing_class=tok, anchor=anchor)
 
 
-def test_a_routing_target_in_grpo_is_refused_not_ignored(tok, save_tiny, tmp_path):
-    """rpb's GRPOTrainer steers no λ: a target there would train with no coefficient, or a wrong one."""
+@pytest.mark.parametrize("replay", ["R2", "R3", "PR2"])
+def test_a_routing_target_under_replay_is_refused_by_name(replay, tok, save_tiny, tmp_path):
+    """Under replay the overlap reads the router on the replayed forward's hidden states (docs/rl.md): no drift."""
     model = AutoModelForCausalLM.from_pretrained(save_tiny("qwen3_moe")).train()
     anchor = install_anchor(model, AnchorConfig(method="routing-kd", target=0.9))
     data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS[:4]])
-    with pytest.raises(ConfigError, match=r"anchor.target in GRPO"):
-        GRPOTrainer(model, reward, grpo_args(tmp_path, beta=0.1), data, processing_class=tok, anchor=anchor)
+    args = grpo_args(tmp_path, beta=0.1, replay=replay, num_iterations=2)
+    with pytest.raises(ConfigError, match=rf"anchor.target with replay='{replay}'"):
+        GRPOTrainer(model, reward, args, data, processing_class=tok, anchor=anchor)
+
+
+def test_a_routing_target_in_grpo_steps_lambda_at_every_update_of_a_generation_batch(tok, save_tiny, tmp_path):
+    """Two updates per generation batch (num_iterations 2), the reference forward's routing reused: each optimizer
+    step logs its overlap and the λ the documented rule gives, simulated here from the logged overlaps; the monitor,
+    on with no configuration, logs the base-forward figures beside them."""
+    model = AutoModelForCausalLM.from_pretrained(save_tiny("qwen3_moe")).train()
+    target = 0.999
+    anchor = install_anchor(model, AnchorConfig(method="routing-kd", target=target))
+    data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS[:4]])
+    steps = dict(
+        max_steps=4, per_device_train_batch_size=8, num_generations=4, steps_per_generation=1, num_iterations=2
+    )
+    args = grpo_args(tmp_path, **steps, beta=0.1, learning_rate=5e-2, lr_scheduler_type="constant", logging_steps=1)
+    trainer = GRPOTrainer(model, reward, args, data, processing_class=tok, anchor=anchor)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 4
+    keys = ("anchor/overlap", "anchor/overlap_min", "anchor/lambda", "routing/mean/base_forward_topk_overlap")
+    assert all(k in h for h in logs for k in keys)
+    lam, armed = 1.0, False  # λ₀, held until the overlap first falls below the target
+    for h in logs:
+        m = h["anchor/overlap"]
+        armed = armed or m < target
+        if armed:
+            lam = min(max(lam * math.exp(0.1 * min(max((target - m) / (1 - target), -1.0), 1.0)), 1e-3), 1e3)
+        assert h["anchor/lambda"] == pytest.approx(lam, rel=1e-12)
+    assert logs[0]["anchor/overlap"] == 1.0 and armed and lam > 1.0  # the base at update 0, then it moved
+    anchor.remove()
+    trainer.replay.remove()
 
 
 def test_at_learning_rate_zero_each_replay_mode_reads_what_docs_rl_md_says(tok, save_tiny, tmp_path):

@@ -358,6 +358,13 @@ def test_routing_kd_under_trls_peft_config_takes_the_model_with_its_adapters_off
     trainer.train()
     terms = [h["anchor_loss"] for h in trainer.state.log_history if "anchor_loss" in h]
     assert terms[0] == pytest.approx(0.0, abs=1e-6) and terms[-1] > 0
+    # the same keys rpb train logs, with no configuration: LoRA froze the routers, so the router-level overlap stays
+    # 1 while the routing on the model's own hidden states moves away from the base's (the figure LoRA users need)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3 and all("anchor/overlap" in h and "anchor/overlap_min" in h for h in logs)
+    assert logs[0]["anchor/overlap"] == 1.0 and logs[0]["routing/mean/base_forward_topk_overlap"] == 1.0
+    assert logs[-1]["anchor/overlap"] < 1.0 and logs[-1]["routing/mean/base_forward_topk_overlap"] < 1.0
+    assert all(h["routing/mean/topk_overlap"] == 1.0 for h in logs)
     trainer.anchor.remove()
 
 

@@ -66,6 +66,7 @@ from rpb.integrations.trl.scaling import token_weights_BC
 from rpb.integrations.trl.sft import hold_native_aux_off
 from rpb.observe.hooks import on_model_inputs
 from rpb.replay import RouteReplay
+from rpb.train.hold import HoldingTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def _say_precision(args) -> None:
         logger.warning("rpb GRPO: %s", line)
 
 
-class GRPOTrainer(PredictiveReplay, RolloutRoutes, trl.GRPOTrainer):
+class GRPOTrainer(HoldingTrainer, PredictiveReplay, RolloutRoutes, trl.GRPOTrainer):
     """TRL's ``GRPOTrainer`` with an rpb anchor (``anchor``: an installed ``AnchorHandle``; None installs the
     plain ``sft`` one, which adds nothing and lets ``rpb.monitor`` read the training forward) and routing replay
     (``args.replay``). ``model`` must be the model object the anchor was installed on. Everything else is
@@ -143,7 +144,9 @@ class GRPOTrainer(PredictiveReplay, RolloutRoutes, trl.GRPOTrainer):
     ``_prepare_inputs`` to the end of its ``training_step`` (its inputs, routes to replay, the anchor's scale, the
     open contexts, the training forward's log-probabilities)."""
 
-    def __init__(self, model, reward_funcs, args: trl.GRPOConfig, train_dataset=None, *, anchor=None, **kwargs):
+    def __init__(
+        self, model, reward_funcs, args: trl.GRPOConfig, train_dataset=None, *, anchor=None, monitor=None, **kwargs
+    ):
         if isinstance(model, str):
             raise ConfigError("rpb.integrations.trl.GRPOTrainer", ["model: the loaded model object, not a name"])
         columns = tuple(getattr(train_dataset, "column_names", None) or ())
@@ -161,6 +164,8 @@ class GRPOTrainer(PredictiveReplay, RolloutRoutes, trl.GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         if self.model is not self.anchor.model:  # TRL wrapped it (peft_config): the routers that run are PEFT's
             self.anchor = self.anchor.reinstall(self.model)
+        # routing-kd: the optimizer step's overlap with the reference's routing, a target's λ; the monitor
+        self.hold_routing(monitor)
         self.replay = RouteReplay(self.model, adapter=self.anchor.facts.model_type)
         self._build_predictor()
         self._base_capture = None
@@ -321,6 +326,7 @@ class GRPOTrainer(PredictiveReplay, RolloutRoutes, trl.GRPOTrainer):
     def log(self, logs: dict, *args, **kwargs) -> None:
         if "loss" in logs:  # a training log, on every rank: the rollout figures over both ranks' tokens
             logs.update(self.routing_figures())
+            logs.update(self.hold_logs())
         super().log(logs, *args, **kwargs)
 
     # ---- training: the anchor's context, replay, the anchor's term ---------------------------

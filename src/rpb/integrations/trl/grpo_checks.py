@@ -82,11 +82,12 @@ def trainer_problems(
             f"anchor.method={anchor.method.name} reads a prior per row and span: build the dataset with "
             "rpb.integrations.trl.prepare_grpo (each row's sample index and rpb's labels of its prompt)"
         )
-    if anchor is not None and getattr(anchor.config, "target", None) is not None:
+    if anchor is not None and getattr(anchor.config, "target", None) is not None and replay != "off":
         out.append(
-            "anchor.target in GRPO: the routing overlap is not yet measured per optimizer step over a generation "
-            "batch's updates, and under replay it would read the replay's overrides as drift (docs/rl.md); give a "
-            "fixed anchor.lambda"
+            f"anchor.target with replay={replay!r}: the overlap reads the training forward's router on the replayed "
+            "forward's hidden states, which is drift only where the replayed routes are the router's own (docs/rl.md, "
+            "'What each figure reads under each mode'), so λ would answer the replay; hold a target with "
+            "replay='off', or give a fixed anchor.lambda"
         )
     if replay == "R3" and getattr(args, "use_vllm", False) and not has_rollout_func:
         out.append(
