@@ -54,19 +54,31 @@ def train(args):
     return run_training(load_config(None, args), progress=False)
 
 
-@pytest.mark.parametrize("method", ["rpb", "kl-to-base", "within-soft"])
-def test_killed_and_resumed_equals_uninterrupted(setup, method, tmp_path):
-    whole = load_file(train(overrides(setup, tmp_path / "whole", method)) / "model.safetensors")
+TARGET = ("anchor.target=0.999",)
+
+
+@pytest.mark.parametrize(
+    ("method", "extra"), [("rpb", ()), ("kl-to-base", ()), ("within-soft", ()), ("routing-kd", TARGET)]
+)
+def test_killed_and_resumed_equals_uninterrupted(setup, method, extra, tmp_path):
+    """With a routing target, λ too: the controller's state comes back from the checkpoint the kill left."""
+    whole_dir = train(overrides(setup, tmp_path / "whole", method, *extra))
+    whole = load_file(whole_dir / "model.safetensors")
 
     out = tmp_path / "killed"
-    kill_after(setup, out, 1, method)
+    kill_after(setup, out, 1, method, *extra)
     assert [d.name for d in complete_checkpoints(out)] == ["checkpoint-1"]
     assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-2" / MARKER).exists()  # torn, left as it is
 
-    resumed = load_file(train(overrides(setup, out, method, "train.resume_from_checkpoint=auto")) / "model.safetensors")
+    again = overrides(setup, out, method, *extra, "train.resume_from_checkpoint=auto")
+    resumed = load_file(train(again) / "model.safetensors")
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole), method
-    steps = [r["step"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
-    assert steps == [1, 2, 3]  # the killed run's later records were dropped, the resumed run's written once
+    logs = [[r for r in map(json.loads, (d / "log.jsonl").read_text().splitlines()) if "loss" in r]
+            for d in (out, whole_dir)]  # fmt: skip
+    assert [r["step"] for r in logs[0]] == [1, 2, 3]  # the killed run's later records dropped, the resumed ones once
+    if extra:
+        lams = [[r["anchor/lambda"] for r in log] for log in logs]
+        assert lams[0] == lams[1] and lams[1][-1] != 1.0  # λ had moved, and moved on as the uninterrupted run's
 
 
 def test_a_kill_during_a_save_leaves_that_checkpoint_unmarked(setup, tmp_path):
