@@ -61,6 +61,13 @@ RUN = {
         lambda f: f["_targets"],
         lambda f: f.get("_smoke"),
     ),
+    "target_overhead": Smoke(
+        ["--threads", "1"],
+        {"ratio", "monitor_on_vs_off", "pairs", "target", "holds", "threads", "median_step_seconds"},
+        lambda f: {k: f[k] for k in ("ratio", "monitor_on_vs_off")},
+        lambda f: {k: f[k] for k in ("target", "holds") if f[k] is not None},
+        lambda f: f.get("smoke"),
+    ),
     "replay_overhead": Smoke(
         ["--threads", "1"],
         {"ratio", "pr2_ratio", "ratio_vs_plain", "off_vs_plain", "generation_ratio", "holds", "pr2_holds"},
