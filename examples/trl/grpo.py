@@ -2,11 +2,14 @@
 mismatch logged every step (docs/rl.md).
 
     python examples/trl/grpo.py --output-dir runs/grpo-tiny            # a tiny local Qwen3-MoE, on the CPU
-    python examples/trl/grpo.py --output-dir runs/grpo-kd --method routing-kd --lambda 1 --beta 0.04
+    python examples/trl/grpo.py --output-dir runs/grpo-kd --method routing-kd --target 0.9 --beta 0.04 --replay off
     accelerate launch examples/trl/grpo.py --model Qwen/Qwen3-30B-A3B --output-dir runs/grpo-qwen3 \\
         --method kl-to-base --lambda 0.1 --replay R3 --max-steps 200
 
-``--lambda`` is the coefficient of every method that takes one (``--lbl-coef`` is lbl's); ``--beta`` is GRPO's KL
+``--lambda`` is the coefficient of every method that takes one (``--lbl-coef`` is lbl's); for ``routing-kd``,
+``--target`` says what to hold instead (the overlap with the base's top-k; λ steered at every update, ``--lambda``
+where it starts; with ``--replay off``, as docs/rl.md explains), which means the same under every transform where a
+λ does not (docs/methods.md). ``--beta`` is GRPO's KL
 to the reference model, whose forward ``routing-kd`` reuses for the base's routing (so under full fine-tuning
 ``routing-kd`` needs ``--beta`` > 0). A method that reads a prior (rpb, rpb-hard and the shuffled controls) takes
 ``--prior`` and ``--prompts``: the prompts file in rpb's data format and its prior from ``rpb collect``, labelled
@@ -57,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--method", default="kl-to-base", choices=sorted(METHODS), help="anchor.method (default "
                         "kl-to-base); one that reads a prior takes --prior and --prompts")  # fmt: skip
-    parser.add_argument("--lambda", dest="lambda_", type=float, default=0.1, help="coefficient of the method's term")
+    parser.add_argument("--lambda", dest="lambda_", type=float, help="coefficient of the method's term (default 0.1; "
+                        "with --target, where λ starts: default 1)")  # fmt: skip
+    parser.add_argument("--target", type=float, help="routing-kd: the overlap with the base to hold (anchor.target)")
     parser.add_argument("--lbl-coef", type=float, default=0.01, help="coefficient of lbl")
     parser.add_argument("--beta", type=float, default=0.0, help="GRPO's KL to the reference model (default 0)")
     parser.add_argument("--prior", help="prior file (rpb collect over --prompts), for a method that reads one")
@@ -90,9 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.padding_side = "left"
     else:
         model, tokenizer = tiny_model_and_tokenizer(args.seed, Path(args.output_dir) / "tiny-base")
+    if args.target is not None and args.method != "routing-kd":
+        parser.error(f"--target is routing-kd's (the routing it holds); {args.method} measures no routing")
     coefficient = {}  # forwarded to every method that takes one; sft and router-freeze take none
-    if method.coefficient is not None:
-        coefficient[method.coefficient] = args.lbl_coef if args.method == "lbl" else args.lambda_
+    if args.target is not None:
+        coefficient = {"target": args.target} | ({"lambda_": args.lambda_} if args.lambda_ is not None else {})
+    elif method.coefficient is not None:
+        lam = 0.1 if args.lambda_ is None else args.lambda_
+        coefficient[method.coefficient] = args.lbl_coef if args.method == "lbl" else lam
     config = GRPOConfig(
         output_dir=args.output_dir,
         max_steps=args.max_steps,

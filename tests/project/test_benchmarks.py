@@ -86,6 +86,7 @@ IMPORT_ONLY = (
     "report_bootstrap",
     "retention_scaling",
     "retention_transitions",
+    "term_scale",
     "toyworld_profile",
     "toyworld_speed",
 )

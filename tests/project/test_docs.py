@@ -165,3 +165,34 @@ def test_every_moved_name_imports_from_where_the_changelog_says_and_not_from_bef
         elif importlib.util.find_spec(before) is not None and hasattr(importlib.import_module(before), name):
             wrong.append(f"{before}.{name}: still there")  # a module that keeps other names keeps not this one
     assert wrong == []
+
+
+def routing_kd_lambdas(text: str) -> list[str]:
+    """Every ``routing-kd`` set-up of a page's code blocks (or an example's source) that fixes λ: a YAML block whose
+    method is ``routing-kd`` and which sets ``lambda:``, or a command or line naming ``routing-kd`` with a λ."""
+    found = []
+    blocks = [body for _, body in re.findall(r"^```([a-z]*)\n(.*?)^```", text, flags=re.S | re.M)] or [text]
+    for block in blocks:
+        if re.search(r"method:\s*routing-kd", block) and re.search(r"^\s*lambda:", block, flags=re.M):
+            found.append(block.strip().splitlines()[0])
+        for line in block.replace("\\\n", " ").splitlines():
+            sets_method = re.search(r"method[= ]\s*[\"']?routing-kd|--method routing-kd", line)
+            if sets_method and re.search(r"anchor\.lambda=|--lambda\b|lambda_=", line):
+                found.append(line.strip())
+    return found
+
+
+def test_the_reader_finds_a_routing_kd_lambda_in_yaml_and_commands():
+    yaml_block = "```yaml\nanchor:\n  method: routing-kd\n  lambda: 0.1\n```\n"
+    command = "```bash\nrpb train anchor.method=routing-kd \\\n  anchor.lambda=1\n```\n"
+    target = "```yaml\nanchor:\n  method: routing-kd\n  target: 0.9\n```\n"
+    assert len(routing_kd_lambdas(yaml_block)) == 1 and len(routing_kd_lambdas(command)) == 1
+    assert routing_kd_lambdas(target) == []
+
+
+def test_the_docs_and_examples_show_routing_kd_with_a_target_not_a_lambda():
+    """What λ multiplies differs between transforms and sources (docs/methods.md), so a λ shown in the docs would not
+    carry over to the reader's run: every routing-kd set-up shown says what to hold instead."""
+    sources = [*PAGES, *sorted((ROOT / "examples").rglob("*.py")), *sorted((ROOT / "examples").rglob("*.yaml"))]
+    found = {page_id(p): hits for p in sources if (hits := routing_kd_lambdas(p.read_text()))}
+    assert found == {}

@@ -21,10 +21,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, save_tiny):
+    from rpb.collect.hf_routes import write_routes
     from rpb.testing.data import conversations, write_jsonl
+    from tests.teacher.conftest import MAX_LEN
 
     tmp = tmp_path_factory.mktemp("hold")
-    return save_tiny("moonlight"), write_jsonl(conversations(12, seed=5), tmp / "train.jsonl"), None, tmp
+    model, data = save_tiny("moonlight"), write_jsonl(conversations(12, seed=5), tmp / "train.jsonl")
+    write_routes(str(model), data, tmp / "routes.safetensors", MAX_LEN)  # ids alone, as an engine returns them
+    return model, data, None, tmp
 
 
 def own_topk(model, batches: list) -> list[dict[int, torch.Tensor]]:
@@ -65,12 +69,19 @@ class Training(TrainerCallback):
         return hook
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_the_logged_overlap_is_the_hand_count_of_each_steps_sets(accumulation, setup, tmp_path):
-    """Every micro-batch of an optimizer step counts (with accumulation 2, each step's two forwards). The monitor,
-    on with no configuration (the online base is at hand), logs the same sets' overlap over the loss tokens."""
+#: the base's routing from its online forward (a frozen copy), from its stored routes (ids alone), and under LoRA
+#: (the model with its adapters off), each a source a target reads
+SOURCES = {"online": [], "routes": ["anchor.base=routes"], "lora": ["lora.rank=4", "lora.alpha=8"]}
+
+
+@pytest.mark.parametrize(("accumulation", "source"), [(1, "online"), (2, "online"), (1, "routes"), (1, "lora")])
+def test_the_logged_overlap_is_the_hand_count_of_each_steps_sets(accumulation, source, setup, tmp_path):
+    """Every micro-batch of an optimizer step counts (with accumulation 2, each step's two forwards), whatever the
+    source of the base's routing. The monitor, on with no configuration, logs the same sets' overlap over the loss
+    tokens where the base's forward is at hand (not from ids alone)."""
     batching = [f"train.grad_accum={accumulation}", f"train.batch_size={4 // accumulation}"]
-    seen = watched_run(setup, tmp_path, *batching)
+    routes = [f"anchor.routes={setup[3] / 'routes.safetensors'}"] if source == "routes" else []
+    seen = watched_run(setup, tmp_path, *batching, *SOURCES[source], *routes)
     base = AutoModelForCausalLM.from_pretrained(setup[0])
     base_ids = own_topk(base, [{k: v for k, v in s["inputs"].items() if k != "labels"} for s in seen.steps])
     logs = [r for r in log_of(tmp_path / "out") if "anchor/overlap" in r]
@@ -92,11 +103,13 @@ def test_the_logged_overlap_is_the_hand_count_of_each_steps_sets(accumulation, s
         attended = per_layer(step, lambda x: x["attention_mask"].bool())  # the tokens routing-kd averages
         assert log["anchor/overlap"] == pytest.approx(sum(attended) / len(attended), abs=1e-12), step
         assert log["anchor/overlap_min"] == pytest.approx(min(attended), abs=1e-12), step
+        if source == "routes":  # ids alone: no base distribution for the monitor's base-forward figures
+            assert "routing/mean/base_forward_topk_overlap" not in log
+            continue
         lossy = per_layer(step, lambda x: x["labels"] != -100)  # the monitor's: the loss tokens
         assert log["routing/mean/base_forward_topk_overlap"] == pytest.approx(sum(lossy) / len(lossy), abs=1e-12)
         assert log["routing/min/base_forward_topk_overlap"] == pytest.approx(min(lossy), abs=1e-12), step
     assert logs[0]["anchor/overlap"] == 1.0 and logs[-1]["anchor/overlap"] < 1.0  # the base, then it moves
-    assert logs[-1]["routing/mean/base_forward_topk_overlap"] < 1.0
 
 
 def watched_run(setup, tmp_path, *overrides) -> Training:

@@ -292,7 +292,8 @@ def shipped_grpo_example():
 #: each method the shipped example runs on its own prompts, with the options it needs
 EXAMPLE_RUNS = {
     "sft": [], "lbl": ["--lbl-coef", "0.1"], "router-l2": ["--lambda", "1"], "kl-to-base": ["--lambda", "1"],
-    "logit-l2": ["--lambda", "1"], "router-freeze": [], "routing-kd": ["--lambda", "1", "--beta", "0.04"],
+    "logit-l2": ["--lambda", "1"], "router-freeze": [],
+    "routing-kd": ["--target", "0.9", "--beta", "0.04", "--replay", "off"],  # the docstring's: a target, no λ
 }  # fmt: skip
 
 
@@ -310,6 +311,7 @@ def test_the_shipped_grpo_example_runs_every_method_it_offers(tmp_path, capsys, 
         printed = capsys.readouterr().out
         assert "step 1:" in printed, method
         assert (f"anchor/{method}" in printed) == (method not in ("sft", "router-freeze")), (method, printed)
+        assert ("anchor/lambda" in printed) == (method == "routing-kd"), method  # the target's λ, logged
     with pytest.raises(SystemExit):
         example.main(["--output-dir", str(tmp_path / "rpb"), "--method", "rpb"])
     assert "--method rpb reads a prior: give --prior and --prompts" in capsys.readouterr().err

@@ -201,6 +201,10 @@ def write_hold_report(grid, studies: list, results: list[dict], out: Path, judge
         *(revert_table(_revert_sources(results, retrained, s), s) for s in grid.sets),
         retrained_against_copied(results, retrained),
         against_retrained(results, retrained, judge, grid.sets),
+        "What `routing-kd` costs per step (online under LoRA, from a frozen copy, from stored routes): "
+        "docs/performance.md (`benchmarks/teacher_overhead.py`); what its λ multiplies per transform and source: "
+        "docs/methods.md (`benchmarks/term_scale.py`).",
+        "",
         f"![overlap against OOD]({HOLD_FIGURE})",
         "",
     ]

@@ -166,6 +166,13 @@ def judge_hold_target(results: list[dict], sets: tuple[str, ...]) -> list[Verdic
     return holm(family)
 
 
+def report_hold_target(grid, studies: list, results: list[dict], out: Path) -> str:
+    """The report across the bases (``rpb.toyworld.grids.hold_target_report``)."""
+    from rpb.toyworld.grids.hold_target_report import write_hold_target_report
+
+    return write_hold_target_report(grid, studies, results, out, judge_hold_target, ACCEPT_BAND, ACCEPT_TAIL)
+
+
 GRID = Grid(
     "hold-target",
     POST_SETS,
@@ -176,5 +183,6 @@ GRID = Grid(
     post=STUDY_POST,
     about="routing-kd held to a routing target (0.70, 0.80, 0.90, the hold grid's own) against its fixed λ and sft",
     study=HoldTargetStudy,
+    report=report_hold_target,
     claims=judge_hold_target,
 )
