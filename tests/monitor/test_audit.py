@@ -19,6 +19,7 @@ from rpb.anchors import AnchorConfig, install_anchor
 from rpb.cli import main
 from rpb.collect import collect
 from rpb.monitor import Asked, audit
+from rpb.monitor.verdict import FROZEN_ROUTERS_NOTE
 from rpb.prior import SPAN_A, STRUCTURAL
 from rpb.testing.data import write_jsonl
 from rpb.testing.models import build_tiny_model
@@ -315,6 +316,7 @@ def test_rpb_audit_passes_a_correct_config_and_writes_only_its_report(run_files,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.json", "train.yaml"]  # no run folder
     report = json.loads((tmp_path / "audit.json").read_text())
     assert report["asked"] == {"router": "free", "anchor": "rpb", "native_aux": False, "frozen_layers": []}
+    assert report["notes"] == []  # the routers train: nothing to point to
     assert all(layer["seen_by_anchor"] and layer["biased"] > 0 for layer in report["layers"])
 
 
@@ -330,9 +332,12 @@ def test_rpb_audit_passes_sft_training_only_chosen_experts(run_files, tmp_path, 
     choice = tmp_path / "experts.json"
     choice.write_text(json.dumps({"experts": {"1": [0, 1], "2": [2]}, "non_expert_modules": False}))
     assert rpb_audit(run_files, tmp_path, "anchor.method=sft", f"train.only_experts={choice}") == 0
-    assert "no contradiction" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "no contradiction" in printed
     report = json.loads((tmp_path / "audit.json").read_text())
     assert report["asked"]["router"] == "frozen"
+    # no contradiction, but the question users ask most: a frozen router with nothing holding the routing
+    assert report["notes"] == [FROZEN_ROUTERS_NOTE] and f"note: {FROZEN_ROUTERS_NOTE}" in printed
     assert all(layer["grad"] == 0 and layer["moved"] == 0 for layer in report["layers"])
 
 

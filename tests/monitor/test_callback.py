@@ -231,3 +231,20 @@ def test_a_monitor_section_asks_for_the_monitor_and_its_fields_are_checked(tmp_p
         load_config(None, [*common, "monitor.every_n_steps=0", "monitor.router_transform=tanh", "monitor.bogus=1"])
     said = "\n".join(e.value.problems)
     assert all(k in said for k in ("monitor.every_n_steps", "monitor.router_transform", "monitor.bogus: unknown key"))
+
+
+@pytest.mark.parametrize(("method", "said"), [("router-freeze", 1), ("kl-to-base", 0)])
+def test_the_first_line_points_frozen_routers_with_nothing_holding_the_routing_to_routing_kd(method, said, caplog):
+    from rpb.anchors import AnchorConfig, install_anchor
+    from rpb.monitor.verdict import FROZEN_ROUTERS_NOTE
+
+    model = build_tiny_model("qwen3_moe", vocab_size=64).train()
+    handle = install_anchor(model, AnchorConfig.for_method(method, lambda_=0.1))
+    callback = RoutingMonitorCallback(anchor=handle)
+    with caplog.at_level(logging.WARNING, logger="rpb.monitor"):
+        callback.on_train_begin(None, None, None, model=model)
+        callback.on_train_end(None, None, None)
+        callback.on_train_begin(None, None, None, model=model)  # a second train(): said once
+    assert [r.getMessage() for r in caplog.records].count(f"rpb monitor: {FROZEN_ROUTERS_NOTE}") == said
+    callback.on_train_end(None, None, None)
+    handle.remove()

@@ -44,7 +44,15 @@ from rpb.adapters import MoELayer, RouterFacts, call_router, find_moe_layers, ge
 from rpb.adapters.hf import expert_bias_of
 from rpb.errors import ArgumentError
 from rpb.monitor.asked import asked_from_config, asked_from_model
-from rpb.monitor.verdict import Asked, AuditReport, LayerAudit, contradictions, significant
+from rpb.monitor.verdict import (
+    FROZEN_ROUTERS_NOTE,
+    Asked,
+    AuditReport,
+    LayerAudit,
+    contradictions,
+    frozen_without_hold,
+    significant,
+)
 from rpb.observe.hooks import on_router_inputs
 
 __all__ = ["AUX_COEFFICIENTS", "Asked", "AuditReport", "asked_from_config", "asked_from_model", "audit"]
@@ -141,6 +149,8 @@ def _report(asked, layers, handle, found, moved, bias_moved, stats) -> AuditRepo
     reach_L = [significant(float((s - n).norm()), g) for s, n, g in zip(g_scaled, g_no_anchor, lm_grads, strict=True)]
     report = AuditReport(asked, out, loss, reaches)
     report.contradictions = contradictions(report, handle is not None, lm_grads, reach_L if has_term else None)
+    if frozen_without_hold(asked.router == "frozen", asked.anchor):
+        report.notes.append(FROZEN_ROUTERS_NOTE)
     return report
 
 

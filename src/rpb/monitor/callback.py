@@ -13,6 +13,7 @@ import logging
 from transformers import TrainerCallback
 
 from rpb.monitor.routing import MonitorConfig, RoutingMonitor
+from rpb.monitor.verdict import FROZEN_ROUTERS_NOTE, frozen_without_hold
 
 logger = logging.getLogger("rpb.monitor")
 
@@ -30,6 +31,9 @@ class RoutingMonitorCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.monitor is None:  # the base's routers: frozen before the first step changes them
             self.monitor = RoutingMonitor(model, self.config, self.adapter, self.anchor, training_only=True)
+            frozen = all(not p.requires_grad for m in self.monitor.layers for p in m.router.parameters())
+            if frozen_without_hold(frozen, self.anchor.method.name if self.anchor is not None else None):
+                logger.warning("rpb monitor: %s", FROZEN_ROUTERS_NOTE)
         else:  # a later train() on the same trainer: the base kept, the last run's unlogged tail dropped
             self.monitor.flush()
         self.monitor.attach()  # (again: the last run's end removed the hooks)
