@@ -8,6 +8,8 @@ from tests.mutants.harness import Mutant
 TARGET = "tests/anchors/test_target.py"
 HOLD = "tests/train/test_hold.py"
 RANKS = "tests/train/test_run_distributed.py"
+SFT = "tests/integrations/trl/test_sft.py"
+GRPO = "tests/integrations/trl/test_base_routing.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -64,6 +66,34 @@ MUTANTS: tuple[Mutant, ...] = (
         function="OverlapCounts.add",
         pattern=r"self\.shared_L\[pos\] \+= shared\n        self\.tokens_L\[pos\] \+= tokens",
         replacement="self.shared_L[pos] = shared\n        self.tokens_L[pos] = tokens",
-        tests=(f"{HOLD}::test_the_logged_overlap_is_the_hand_count_of_each_steps_sets[2]",),
+        tests=(f"{HOLD}::test_the_logged_overlap_is_the_hand_count_of_each_steps_sets[2-online]",),
+    ),
+    Mutant(
+        name="monitor_not_on_where_the_base_is_at_hand",
+        story="the monitor stays off unless asked, even under routing-kd: rpb train's log shows no routing drift",
+        path="monitor/callback.py",
+        function="attach_default_monitor",
+        pattern=r'if anchor is None or getattr\(anchor, "overlap", None\) is None:',
+        replacement="if True:",
+        tests=(f"{HOLD}::test_the_logged_overlap_is_the_hand_count_of_each_steps_sets[1-online]",),
+    ),
+    Mutant(
+        name="hold_not_rebound_after_reinstall",
+        story="TRL wraps the model with PEFT and the anchor moves onto it, while the overlap is still read from the "
+        "removed anchor: no anchor/overlap is logged, and a target steers from nothing",
+        path="train/hold.py",
+        function="HoldingTrainer.rebind_anchor",
+        pattern=r"self\.rpb_hold\.rebind\(anchor\)",
+        replacement="pass",
+        tests=(f"{SFT}::test_routing_kd_under_trls_peft_config_takes_the_model_with_its_adapters_off_as_the_base",),
+    ),
+    Mutant(
+        name="grpo_target_not_stepped",
+        story="rpb's GRPOTrainer accepts a routing target and trains at lambda_0 throughout, never stepping it",
+        path="integrations/trl/grpo.py",
+        function="GRPOTrainer.__init__",
+        pattern=r"        self\.hold_routing\(monitor\)\n",
+        replacement="        self.hold_routing(monitor)\n        self.rpb_hold.controller = None\n",
+        tests=(f"{GRPO}::test_a_routing_target_in_grpo_steps_lambda_at_every_update_of_a_generation_batch",),
     ),
 )

@@ -106,6 +106,7 @@ def test_the_logged_overlap_is_the_hand_count_of_each_steps_sets(accumulation, s
         if source == "routes":  # ids alone: no base distribution for the monitor's base-forward figures
             assert "routing/mean/base_forward_topk_overlap" not in log
             continue
+        assert "routing/mean/base_forward_topk_overlap" in log, "the monitor: on with no configuration"
         lossy = per_layer(step, lambda x: x["labels"] != -100)  # the monitor's: the loss tokens
         assert log["routing/mean/base_forward_topk_overlap"] == pytest.approx(sum(lossy) / len(lossy), abs=1e-12)
         assert log["routing/min/base_forward_topk_overlap"] == pytest.approx(min(lossy), abs=1e-12), step
