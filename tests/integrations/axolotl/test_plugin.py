@@ -115,7 +115,8 @@ def test_per_step_selection_through_axolotl_equals_the_hand_selection(work):
     facts = record["facts"]
     print("path that ran:", facts["entry"], "axolotl", facts["axolotl"], "transformers", facts["transformers"])
     assert facts["axolotl"] == "0.19.0" and facts["entry"].startswith("axolotl.cli.train")
-    assert facts["trainer_mro"][1:3] == ["AnchorTrainerMixin", "AxolotlTrainer"]
+    mro = facts["trainer_mro"]  # rpb's mixins (the anchor, then the routing hold) before axolotl's trainer
+    assert mro[1:4] == ["AnchorTrainerMixin", "HoldingTrainer", "AxolotlTrainer"]
     assert facts["collator"] == "AxolotlAnchorCollator" and facts["remove_unused_columns"] is False
 
     # each batch row is the JSONL row its sample key names: that row rendered by the tokenizer's own template
@@ -169,6 +170,10 @@ def test_routing_kd_through_axolotl_holds_to_the_bases_own_forward(work):
     train_logs = [log for log in record["logs"] if "loss" in log]
     assert len(train_logs) == STEPS
     assert train_logs[0]["anchor_loss"] == pytest.approx(0.0, abs=1e-6) and train_logs[-1]["anchor_loss"] > 0
+    # with no monitor asked, the routing keys rpb train logs: the step's overlap and the monitor's (on by default)
+    keys = {"anchor/overlap", "anchor/overlap_min", "routing/mean/base_forward_topk_overlap"}
+    assert all(keys <= log.keys() for log in train_logs)
+    assert train_logs[0]["anchor/overlap"] == 1.0 == train_logs[0]["routing/mean/base_forward_topk_overlap"]
     run = json.loads((out / "rpb_run.json").read_text())
     assert run["method"] == "routing-kd" and run["base"]["mode"] == "frozen-copy"
 

@@ -244,8 +244,9 @@ def tradeoff_figure(results: list[dict], hold: list[dict], sets: tuple[str, ...]
                     mine = [r for r in cells if r["set"] == s and r["arm"] == arm]
                     name = f"{grid}: {arm}"
                     face = colours[name] if filled else "none"
-                    ax.plot([100 * r["id"] for r in mine], [100 * r["ood"] for r in mine], ls="none", marker="o",
-                            ms=4, mfc=face, mec=colours[name], label=name, gid=f"{s}-{name}")  # fmt: skip
+                    xy = ([100 * r["id"] for r in mine], [100 * r["ood"] for r in mine])
+                    style = dict(ls="none", marker="o", ms=4, mfc=face, mec=colours[name])
+                    ax.plot(*xy, **style, label=name, gid=f"{s}-{name}")
             ax.set_title(s)
             ax.set_xlabel("in-domain exact match (%)")
             ax.grid(color="0.9", lw=0.6)
@@ -266,8 +267,8 @@ def lambda_figure(results: list[dict], controls: list[dict], sets: tuple[str, ..
             for cells, style, name in ((soft, "-", "softmax"), (controls, "--", "sigmoid")):
                 for i, r in enumerate(c for c in cells if c["set"] == s):
                     hold = r.get("hold") or {}
-                    ax.plot(hold.get("step", []), hold.get("lambda", []), ls=style, color=f"C{i}",
-                            label=f"{name}, seed {r['seed']}", gid=f"{s}-{name}-{r['seed']}")  # fmt: skip
+                    label, gid = f"{name}, seed {r['seed']}", f"{s}-{name}-{r['seed']}"
+                    ax.plot(hold.get("step", []), hold.get("lambda", []), ls=style, color=f"C{i}", label=label, gid=gid)
             ax.set_yscale("log")
             ax.set_title(s)
             ax.set_xlabel("step")
