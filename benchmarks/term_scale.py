@@ -7,8 +7,10 @@ Per base, the term (``anchor_loss`` in the log, λ = 1) at each of the first ste
 * ``online_softmax`` / ``online_sigmoid``: the base's own forward, the KL read under softmax (the grids') and under
   the normalised sigmoid (``rpb train``'s default on a DeepSeek-V3-class model). At step 1 the model is the base:
   the term is 0; its size over the next steps is what a λ is weighed against;
-* ``routes_ids`` / ``routes_probs``: stored routes (``rpb routes``), ids alone (the set cross-entropy: not 0 at the
-  base, the base's own top-k probabilities being below 1) and with the base's top-k probabilities (softmax).
+* ``routes_ids`` / ``routes_topk_kl`` / ``routes_bucket``: stored routes (``rpb routes``), ids alone (the set
+  cross-entropy: not 0 at the base, the base's own top-k probabilities being below 1), and with the base's top-k
+  probabilities (softmax) renormalised over the k (``anchor.routes_loss=topk-kl``: not 0 at the base either) or as
+  they are with one bucket for the rest (the default: 0 at the base).
 
 Printed: each variant's term per step, and the ratios a reader converts a λ with (softmax over sigmoid after the
 first step, the stored forms at the base). The last line is one JSON object.
@@ -96,7 +98,13 @@ def main(argv: list[str] | None = None) -> None:
             "online_softmax": {"router_transform": "softmax"},
             "online_sigmoid": {"router_transform": "sigmoid-normalized"},
             "routes_ids": {"router_transform": "softmax", "base": "routes", "routes": str(ids)},
-            "routes_probs": {"router_transform": "softmax", "base": "routes", "routes": str(probs)},
+            "routes_topk_kl": {
+                "router_transform": "softmax",
+                "base": "routes",
+                "routes": str(probs),
+                "routes_loss": "topk-kl",
+            },
+            "routes_bucket": {"router_transform": "softmax", "base": "routes", "routes": str(probs)},
         }
         found = {k: terms(base, data, tmp / f"{k}-{seed}", a.steps, batch, v) for k, v in variants.items()}
         later = [s / g for s, g in zip(found["online_softmax"][1:], found["online_sigmoid"][1:], strict=True) if g > 0]

@@ -77,6 +77,20 @@ def logit_l2(logits_TE: torch.Tensor, base_logits_TE: torch.Tensor, valid_T: tor
 # ---- the routing-level and output-level anchors (the base's own forward as teacher) ----------------------------
 
 
+#: ``anchor.routes_loss``, the stored-routes forms of routing-kd: ``bucket`` (the base's probabilities at the stored
+#: experts and one bucket for the rest; 0 at the base), ``topk-kl`` (those probabilities renormalised over the stored
+#: experts: not 0 at the base), ``set-ce`` (ids alone: the set cross-entropy, not 0 at the base)
+ROUTES_LOSSES = ("bucket", "topk-kl", "set-ce")
+#: the forms that read the base's probabilities (a route file from ``rpb routes --with-probs``)
+ROUTES_LOSSES_WITH_PROBS = ("bucket", "topk-kl")
+
+
+def routes_loss_form(asked: str | None, with_probs: bool) -> str:
+    """The stored-routes form a run uses: the one asked for, else ``bucket`` where the file has the base's
+    probabilities and ``set-ce`` where it has ids alone."""
+    return asked if asked is not None else ("bucket" if with_probs else "set-ce")
+
+
 def routing_kd_topk(
     logits_TE: torch.Tensor,
     base_ids_TK: torch.Tensor,
@@ -97,6 +111,28 @@ def routing_kd_topk(
     q_TK = base_probs_TK.float()
     q_TK = q_TK / q_TK.sum(-1, keepdim=True).clamp_min(1e-30)
     return _masked_mean_T((q_TK * (q_TK.clamp_min(1e-30).log() - log_p_TK)).sum(-1), valid_T)
+
+
+def routing_kd_bucket(
+    logits_TE: torch.Tensor,
+    base_ids_TM: torch.Tensor,
+    base_probs_TM: torch.Tensor,
+    valid_T: torch.Tensor,
+    transform: str,
+) -> torch.Tensor:
+    """``routing-kd`` from stored routes with the base's probabilities, 0 at the base: both distributions coarsened
+    to the M stored experts plus one bucket for the rest, q = (q_m, 1 - sum_m q_m) from the base's stored
+    probabilities (as stored: not renormalised) and p the same from the current router, and KL(q || p) summed over
+    the M + 1 cells. It is 0 exactly where the model's coarsened routing equals the base's, so at the base itself,
+    and with M = E (the whole distribution stored) it is online ``routing-kd``'s KL."""
+    p_TE = router_probs(logits_TE, transform)
+    p_TM = p_TE.gather(-1, base_ids_TM.long())
+    q_TM = base_probs_TM.float()
+    q_rest_T = (1.0 - q_TM.sum(-1)).clamp_min(0.0)
+    p_rest_T = (1.0 - p_TM.sum(-1)).clamp_min(0.0)
+    stored_T = (q_TM * (q_TM.clamp_min(1e-30).log() - p_TM.clamp_min(1e-30).log())).sum(-1)
+    rest_T = q_rest_T * (q_rest_T.clamp_min(1e-30).log() - p_rest_T.clamp_min(1e-30).log())
+    return _masked_mean_T(stored_T + rest_T, valid_T)
 
 
 def output_kd(logits_BTV: torch.Tensor, base_logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:

@@ -102,3 +102,35 @@ def test_a_registered_method_is_configurable_searched_and_tabled(dummy, tmp_path
     assert f"| {dummy_method.NAME} | 50.0 | 25.0 | 0.100 | 0.900 |" in forms
     assert dummy_method.NAME not in table("controls", results, ("math_post",), ("sft", dummy_method.NAME))
     assert f"`{dummy_method.NAME}`" in methods_table()
+
+
+# ---- routing-kd's stored-routes forms (rpb.losses) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transform", ["softmax", "sigmoid-normalized"])
+def test_the_bucket_form_is_0_at_the_base_and_with_every_expert_stored_is_online_routing_kds_kl(transform):
+    from rpb import losses
+    from rpb.prior import router_probs
+
+    gen = torch.Generator().manual_seed(3)
+    base_TE, now_TE = torch.randn(7, 8, generator=gen), torch.randn(7, 8, generator=gen)
+    valid_T = torch.tensor([1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+    q_TE = router_probs(base_TE, transform)
+    top_TK = q_TE.topk(3, dim=-1).indices
+    stored = (top_TK, q_TE.gather(-1, top_TK))
+    assert float(losses.routing_kd_bucket(base_TE, *stored, valid_T, transform)) == pytest.approx(0.0, abs=1e-7)
+    # by hand: three stored cells and the rest, averaged over the valid tokens
+    p_TE = router_probs(now_TE, transform).double()
+    q3, p3 = stored[1].double(), p_TE.gather(-1, top_TK)
+    hand_T = (q3 * (q3 / p3).log()).sum(-1) + (1 - q3.sum(-1)) * ((1 - q3.sum(-1)) / (1 - p3.sum(-1))).log()
+    got = losses.routing_kd_bucket(now_TE, *stored, valid_T, transform)
+    assert float(got) == pytest.approx(float(hand_T[valid_T].mean()), rel=1e-5)
+    # every expert stored (in any order): no rest, and the term and its gradient are the online KL's
+    every_TE = torch.stack([torch.randperm(8, generator=gen) for _ in range(7)])
+    a, b = now_TE.clone().requires_grad_(), now_TE.clone().requires_grad_()
+    whole = losses.routing_kd_bucket(a, every_TE, q_TE.gather(-1, every_TE), valid_T, transform)
+    online = losses.kl_to_base(b, base_TE, valid_T, transform)
+    whole.backward(), online.backward()
+    # float32 sums in another order, and a rest of ~1e-7 in place of 0: equal to a few ulps of the term
+    assert float(whole) == pytest.approx(float(online), rel=1e-5)
+    assert torch.allclose(a.grad, b.grad, atol=1e-6)

@@ -17,6 +17,7 @@ from tests.mutants import (
     more_routes,
     more_silent,
     more_split,
+    more_stored,
     more_target,
 )
 from tests.mutants.harness import Mutant
@@ -842,4 +843,5 @@ MUTANTS: tuple[Mutant, ...] = (
     *more_hold.MUTANTS,
     *more_silent.MUTANTS,
     *more_target.MUTANTS,
+    *more_stored.MUTANTS,
 )

@@ -123,9 +123,13 @@ def test_stored_routing_kd_is_the_hand_set_cross_entropy_and_top_k_kl(name, fami
     handle = install_anchor(model, AnchorConfig(method="routing-kd", lambda_=LAMBDA, base="routes", routes="x"))
     sigmoid = facts.score_function == "sigmoid"
     valid_T = batch["attention_mask"].reshape(-1).bool()
-    for with_probs in (False, True):
+    # ids alone (the set cross-entropy), the probabilities renormalised over the k (topk-kl), and with the bucket
+    # (the default where probabilities are stored)
+    for with_probs, form in ((False, None), (True, "topk-kl"), (True, None)):
+        handle.config.routes_loss = form
         path = tmp / f"routes-{with_probs}.safetensors"
-        write_routes(str(model_dir), data, path, MAX_LEN, probs_transform="family" if with_probs else None)
+        if not path.is_file():
+            write_routes(str(model_dir), data, path, MAX_LEN, probs_transform="family" if with_probs else None)
         handle.teacher = load_stored_routes(
             path, labelled, routers_sha256=fingerprint, moe_layers=[m.layer_index for m in layers],
             num_layers=model.config.get_text_config().num_hidden_layers, top_k=top_k,
@@ -145,7 +149,12 @@ def test_stored_routing_kd_is_the_hand_set_cross_entropy_and_top_k_kl(name, fami
             ids_TK = base_out[pos][2].reshape(valid_T.shape[0], -1)[valid_T].long()
             log_p_TE = probs(seen[pos][0].detach(), sigmoid)[valid_T].log()
             log_p_TK = log_p_TE.gather(-1, ids_TK)
-            if with_probs:
+            if with_probs and form is None:  # the bucket: k stored cells and one for the rest, as they are
+                q_TK = probs(base_out[pos][0], sigmoid)[valid_T].gather(-1, ids_TK)
+                p_TK, q_rest, p_rest = log_p_TK.exp(), 1 - q_TK.sum(-1), 1 - log_p_TK.exp().sum(-1)
+                kl = (q_TK * (q_TK.log() - p_TK.log())).sum(-1) + q_rest * (q_rest.log() - p_rest.log())
+                per_layer.append(kl.mean())
+            elif with_probs:
                 q_TK = probs(base_out[pos][0], sigmoid)[valid_T].gather(-1, ids_TK)
                 q_TK = q_TK / q_TK.sum(-1, keepdim=True)
                 per_layer.append((q_TK * (q_TK.log() - log_p_TK)).sum(-1).mean())
@@ -153,6 +162,19 @@ def test_stored_routing_kd_is_the_hand_set_cross_entropy_and_top_k_kl(name, fami
                 per_layer.append(-log_p_TK.mean(-1).mean())
         hand = LAMBDA * torch.stack(per_layer).mean()
         assert float(term.detach()) == pytest.approx(float(hand), rel=1e-4), (
-            f"{name}, probabilities stored: {with_probs}"
+            f"{name}, probabilities stored: {with_probs}, {form or 'default'}"
         )
+    handle.remove()
+    # the bucket form on the base itself (the model not moved): 0 to float precision, on every family
+    at_base = load_causal_lm(str(model_dir)).train()
+    handle = install_anchor(at_base, AnchorConfig(method="routing-kd", lambda_=LAMBDA, base="routes", routes="x"))
+    handle.teacher = load_stored_routes(
+        tmp / "routes-True.safetensors", labelled, routers_sha256=fingerprint,
+        moe_layers=[m.layer_index for m in layers], num_layers=model.config.get_text_config().num_hidden_layers,
+        top_k=top_k, num_experts=int(layers[0].router.weight.shape[0]), transform=handle.router_transform,
+    )  # fmt: skip
+    with handle.step(batch["rpb_sample_index"], batch["rpb_span"], batch["attention_mask"]) as ctx:
+        ctx.base = handle.base_routing(batch, batch["rpb_sample_index"])
+        at_base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        assert float(handle.loss().detach()) == pytest.approx(0.0, abs=1e-6), f"{name}: the bucket at the base"
     handle.remove()

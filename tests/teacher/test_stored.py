@@ -23,9 +23,21 @@ def test_stored_routes_train_and_what_they_cannot_serve_is_refused(setup, tmp_pa
     record = json.loads((out / "rpb_run.json").read_text())["base"]
     assert record["source"] == "routes" and record["with_probs"]
     terms = [r["anchor_loss"] for r in log_of(out) if "anchor_loss" in r]
-    # the top-k KL is not 0 on the base itself: q renormalised over the k against the whole p (its value there is
-    # -log of the base's mass on its own top-k; tests/teacher/test_routing_kd_matrix.py reads it by hand)
-    assert len(terms) == 3 and all(0 < t < 10 for t in terms)
+    # the default with probabilities, the bucket, is 0 on the base itself (step 1) and not once the model moved;
+    # the top-k KL, by name, is not 0 there: q renormalised over the k against the whole p (its value there is
+    # -log of the base's mass on its own top-k; tests/teacher/test_routing_kd_matrix.py reads both by hand)
+    assert len(terms) == 3 and terms[0] == pytest.approx(0.0, abs=1e-6) and 0 < terms[-1] < 10
+    assert record["routes_loss"] == "bucket"
+    ids_alone = tmp / "ids.safetensors"
+    write_routes(str(setup[0]), setup[1], ids_alone, MAX_LEN)
+    with pytest.raises(ArgumentError, match=r"anchor.routes_loss=bucket reads the base's probabilities"):
+        prepare_run(config(setup, tmp_path / "x", "routing-kd", "anchor.base=routes", f"anchor.routes={ids_alone}",
+                           "anchor.routes_loss=bucket"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"anchor.routes_loss: one of bucket, topk-kl, set-ce"):
+        config(setup, tmp_path / "x", "routing-kd", "anchor.base=routes", f"anchor.routes={routes}",
+               "anchor.routes_loss=hinge")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"anchor.routes_loss: the form of routing-kd's term from stored routes"):
+        config(setup, tmp_path / "x", "routing-kd", "anchor.routes_loss=bucket")
     with pytest.raises(ConfigError, match=r"output-kd needs the base's next-token distribution"):
         config(setup, tmp_path / "x", "output-kd", "anchor.base=routes", f"anchor.routes={routes}")
     extra = write_jsonl(conversations(3, seed=9), tmp / "extra.jsonl")

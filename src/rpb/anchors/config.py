@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from rpb.anchors.methods import METHODS, get_method
 from rpb.errors import ArgumentError
+from rpb.losses import ROUTES_LOSSES
 from rpb.prior import DEFAULT_CLIP, DEFAULT_EPS, ROUTER_TRANSFORMS, RouterTransform
 
 #: ``anchor.base``: where routing-kd and output-kd read the base from
@@ -52,6 +53,9 @@ class AnchorConfig:
     #: routing-kd: the routing overlap with the base to hold, in (0, 1]; λ is then steered each optimizer step to
     #: keep it (``rpb.anchors.target``; ``lambda``, where given, is where λ starts). None: the fixed ``lambda``
     target: float | None = None
+    #: anchor.base=routes: routing-kd's stored-routes form (``rpb.anchors.methods.ROUTES_LOSSES``): None, ``bucket``
+    #: where the file has the base's probabilities (0 at the base) and ``set-ce`` where it has ids alone
+    routes_loss: str | None = None
 
     @classmethod
     def for_method(cls, method: str, *, lambda_: float | None = None, lbl_coef: float | None = None, **settings):
@@ -81,6 +85,10 @@ class AnchorConfig:
             if name != method.coefficient and getattr(self, name) is not None:
                 readers = ", ".join(m.name for m in METHODS.values() if m.coefficient == name)
                 out.append(f"anchor.{name.rstrip('_')}: read only by {readers}, not by {self.method!r}")
+        if self.routes_loss is not None and self.routes_loss not in ROUTES_LOSSES:
+            out.append(f"anchor.routes_loss: one of {', '.join(ROUTES_LOSSES)}, got {self.routes_loss!r}")
+        elif self.routes_loss is not None and not (method.teacher == "routing" and self.base == "routes"):
+            out.append("anchor.routes_loss: the form of routing-kd's term from stored routes (anchor.base=routes)")
         if not 0 < self.eps <= 1:
             out.append(f"anchor.eps: must be in (0, 1], got {self.eps}")
         if self.c < 1:

@@ -270,6 +270,7 @@ class AnchorHandle:
         else:
             state.routing_ids_TK = base.ids_LTK[pos].to(device)
             state.routing_probs_TK = None if base.probs_LTK is None else base.probs_LTK[pos].to(device)
+            state.routes_loss = self.config.routes_loss
 
     @torch.no_grad()
     def _record(self, pos: int, ids_TK, native_ids_TK, valid_T, content_T, term, hidden) -> None:

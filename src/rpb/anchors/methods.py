@@ -67,6 +67,8 @@ class RouterState:
     routing_logits_TE: torch.Tensor | None = None
     routing_ids_TK: torch.Tensor | None = None
     routing_probs_TK: torch.Tensor | None = None
+    #: stored routes: the term's form (``ROUTES_LOSSES``; None: ``bucket`` with probabilities, ``set-ce`` without)
+    routes_loss: str | None = None
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,13 @@ KL_TO_BASE = LossAnchor(
 
 def _routing_kd(s: RouterState) -> torch.Tensor:
     if s.routing_ids_TK is not None:  # stored routes: the base's top-k (and its probabilities there)
-        return losses.routing_kd_topk(s.logits_TE, s.routing_ids_TK, s.routing_probs_TK, s.valid_T, s.transform)
+        form = losses.routes_loss_form(s.routes_loss, s.routing_probs_TK is not None)
+        if form in losses.ROUTES_LOSSES_WITH_PROBS and s.routing_probs_TK is None:
+            raise ValueError(f"anchor.routes_loss={form} reads the base's probabilities; the route file has ids alone")
+        if form == "bucket":
+            return losses.routing_kd_bucket(s.logits_TE, s.routing_ids_TK, s.routing_probs_TK, s.valid_T, s.transform)
+        probs = s.routing_probs_TK if form == "topk-kl" else None
+        return losses.routing_kd_topk(s.logits_TE, s.routing_ids_TK, probs, s.valid_T, s.transform)
     # online: KL(q || p) with q from the base's own forward, which is kl-to-base's formula on other base logits
     return losses.kl_to_base(s.logits_TE, s.routing_logits_TE, s.valid_T, s.transform)
 

@@ -24,6 +24,7 @@ import torch
 
 from rpb.collect.from_routes import mismatch, row_routes
 from rpb.data import LabelledData
+from rpb.losses import ROUTES_LOSSES_WITH_PROBS, routes_loss_form
 from rpb.replay.routefile import RouteFile, load_routes
 from rpb.teacher.routing import BaseRouting
 
@@ -40,6 +41,8 @@ class StoredRoutes:
     offsets_N: torch.Tensor
     path: str
     engine: str | None
+    #: the term's form the run uses (``anchor.routes_loss``, or the default for this file)
+    routes_loss: str = "set-ce"
 
     def describe(self) -> dict:
         return {
@@ -47,6 +50,7 @@ class StoredRoutes:
             "routes_file": self.path,
             "engine": self.engine,
             "with_probs": self.probs_RLK is not None,
+            "routes_loss": self.routes_loss,
             "bytes": sum(t.numel() * t.element_size() for t in (self.ids_RLK, self.probs_RLK) if t is not None),
         }
 
@@ -97,11 +101,18 @@ def load_stored_routes(
     top_k: int,
     num_experts: int,
     transform: str,
+    routes_loss: str | None = None,
 ) -> StoredRoutes:
     """The route file at ``path`` checked against the training file's labelling ``data`` and the model (its
-    router fingerprint, MoE layers, decoder layers, top-k, experts) and the run's router ``transform``."""
+    router fingerprint, MoE layers, decoder layers, top-k, experts), the run's router ``transform`` and the term's
+    form (``anchor.routes_loss``: one that reads probabilities needs a file that has them)."""
     routes = load_routes(path)
     problems = file_problems(routes, data, routers_sha256, transform, path)
+    if routes_loss in ROUTES_LOSSES_WITH_PROBS and routes.probs_RXK is None:
+        problems.append(
+            f"{path}: anchor.routes_loss={routes_loss} reads the base's probabilities and the file has ids alone "
+            "(rpb routes --with-probs writes them; set-ce reads ids alone)"
+        )
     model = SimpleNamespace(moe_layers=moe_layers, top_k=top_k, num_experts=num_experts, num_layers=num_layers)
     per_row: list[torch.Tensor] = []
     if not problems:
@@ -127,7 +138,8 @@ def load_stored_routes(
         probs_RLK = torch.cat([routes.probs(ex.index)[:, keep] for ex in data.examples])
     lengths = torch.tensor([len(ex) for ex in data.examples], dtype=torch.int64)
     offsets_N = torch.cumsum(lengths, 0) - lengths
-    return StoredRoutes(ids_RLK, probs_RLK, offsets_N, str(path), routes.metadata.get("engine"))
+    form = routes_loss_form(routes_loss, probs_RLK is not None)
+    return StoredRoutes(ids_RLK, probs_RLK, offsets_N, str(path), routes.metadata.get("engine"), form)
 
 
 def file_problems(routes: RouteFile, data: LabelledData, fingerprint: str, transform: str, path) -> list[str]:

@@ -52,8 +52,11 @@ def run_record(
     }
 
 
+#: a checkpoint's record of anchor.routes_loss left unset: the default forms (bucket with probabilities, set-ce with
+#: ids alone)
+ROUTES_DEFAULT = "default: bucket with probabilities, set-ce with ids alone"
 #: the anchor fields only routing-kd and output-kd read (``rpb.teacher``)
-TEACHER_FIELDS = ("base", "routes", "base_dtype", "trained_base")
+TEACHER_FIELDS = ("base", "routes", "base_dtype", "trained_base", "routes_loss")
 
 
 def _method_record(anchor) -> dict:
@@ -72,6 +75,12 @@ def _method_record(anchor) -> dict:
         return {k: v for k, v in record.items() if k not in TEACHER_FIELDS}
     if record.get("routes"):
         record["routes"] = file_sha256(record["routes"])
+    if record.get("base") == "routes":
+        # the stored-routes form by name, its default included: a checkpoint written before the bucket form became
+        # the default for files with probabilities has none, and is not resumed under another term
+        record["routes_loss"] = anchor.routes_loss or ROUTES_DEFAULT
+    else:
+        record.pop("routes_loss", None)
     return record
 
 

@@ -232,6 +232,7 @@ def _stored_routes(cfg: RunConfig, data, problems: list[str]) -> str | None:
 
     from rpb.adapters import checkpoint_routers_sha256, get_adapter
     from rpb.anchors.transform import run_transform
+    from rpb.losses import routes_loss_form
     from rpb.prior.artifact import ArtifactError
     from rpb.teacher import load_stored_routes
     from rpb.train.validate import model_dir_of
@@ -257,12 +258,17 @@ def _stored_routes(cfg: RunConfig, data, problems: list[str]) -> str | None:
             top_k=ck.top_k,
             num_experts=ck.num_experts,
             transform=run_transform(cfg.anchor.router_transform, None, facts.score_function),
+            routes_loss=cfg.anchor.routes_loss,
         )
     except RpbError as e:
         problems.append(str(e))
         return None
     probs = "top-k and router probabilities" if stored.probs_RLK is not None else "top-k ids alone"
-    return f"routes {cfg.anchor.routes}: {probs}, every row's tokens and routes match the training file and model"
+    form = routes_loss_form(cfg.anchor.routes_loss, stored.probs_RLK is not None)
+    return (
+        f"routes {cfg.anchor.routes}: {probs} (the term: {form}), every row's tokens and routes match the training "
+        "file and model"
+    )
 
 
 def _settings(cfg: RunConfig, tokenizer, meta: dict, max_seq_len, problems: list[str]) -> None:

@@ -161,6 +161,7 @@ def attach_anchor(
             top_k=int(getattr(model.config, facts.top_k_config)),
             num_experts=int(layers[0].router.weight.shape[0]),
             transform=anchor_cfg.router_transform,
+            routes_loss=anchor_cfg.routes_loss,
         )
     if lora is not None and lora.enabled:
         from rpb.train.lora import apply_lora

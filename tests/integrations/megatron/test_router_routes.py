@@ -21,17 +21,19 @@ def base_routes(K: int, layers: int, seed: int = 8):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(B * S * layers)]).reshape(B, S, layers, K)
     probs = torch.rand(B, S, layers, K, generator=gen) + 0.05
-    return ids, probs
+    return ids, 0.9 * probs / probs.sum(-1, keepdim=True)  # probabilities of a distribution: 0.1 left for the rest
 
 
-@pytest.mark.parametrize("with_probs", [False, True])
+@pytest.mark.parametrize(("with_probs", "form"), [(False, None), (True, "topk-kl"), (True, None)])
 @pytest.mark.parametrize("case_name", ["softmax", "sigmoid-bias-groups"])
-def test_the_stored_routes_term_is_the_hand_one_in_router_row_order(case_name, with_probs):
+def test_the_stored_routes_term_is_the_hand_one_in_router_row_order(case_name, with_probs, form):
+    """Ids alone: the set cross-entropy; probabilities renormalised over the k (topk-kl); the default with
+    probabilities, the bucket (the k stored cells as they are, and one for the rest)."""
     case = CASES[case_name]
     routers, hidden = build_routers(case), make_hidden()
     ids_BSLK, probs_BSLK = base_routes(case.topk, len(routers))
     handle = install_megatron_anchor(routers, AnchorConfig(method="routing-kd", lambda_=LAMBDA, base="routes",
-                                                           routes="stored.safetensors"))  # fmt: skip
+                                                           routes="stored.safetensors", routes_loss=form))  # fmt: skip
     with drifted(routers), handle.step(SAMPLE_BS, SPAN_BS, ids_BSLK, probs_BSLK if with_probs else None) as ctx:
         forward(routers, hidden)
         loss = handle.loss()
@@ -45,7 +47,11 @@ def test_the_stored_routes_term_is_the_hand_one_in_router_row_order(case_name, w
             for s in range(S):  # router row t = s * B + b
                 for b in range(B):
                     log_p = p[s, b, ids_BSLK[b, s, pos]].log()
-                    if with_probs:
+                    if with_probs and form is None:
+                        q = probs_BSLK[b, s, pos].double()
+                        q_rest, p_rest = 1 - q.sum(), 1 - log_p.exp().sum()
+                        per_row.append((q * (q.log() - log_p)).sum() + q_rest * (q_rest.log() - p_rest.log()))
+                    elif with_probs:
                         q = probs_BSLK[b, s, pos].double() / probs_BSLK[b, s, pos].double().sum()
                         per_row.append((q * (q.log() - log_p)).sum())
                     else:

@@ -339,6 +339,7 @@ class MegatronAnchorHandle(RoutingFigures):
             base = ctx.base
             state.routing_ids_TK = base.ids_LTK[r.pos].to(logits_TE.device)
             state.routing_probs_TK = None if base.probs_LTK is None else base.probs_LTK[r.pos].to(logits_TE.device)
+            state.routes_loss = self.config.routes_loss
         # every rank computed the whole term; each contributes 1 / tp (module doc)
         term = self._share(anchor.term(state))
         # computed on every call, so a recomputed forward saves exactly what the first one did
