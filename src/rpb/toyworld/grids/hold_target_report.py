@@ -122,7 +122,7 @@ def adjusted_ood(
 ) -> dict:
     """Each arm's OOD (points) at the ``sft`` cells' mean ID, from one fit across the set's cells (module doc), with
     its 95% interval: the bases resampled, then the seeds within each (every arm's cell of a drawn (base, seed) goes
-    with it), the fit and the ``sft`` mean ID redone each time. Also the common slope."""
+    with it), the fit and the ``sft`` mean ID redone each time; ``_resamples``, the resamples whose design was whole."""
     cells = [r for r in results if r["set"] == post_set and r["arm"] in arms]
     present = tuple(a for a in arms if any(r["arm"] == a for r in cells))
     if "sft" not in present or len(cells) < len(present) + 2:
@@ -155,12 +155,10 @@ def adjusted_ood(
         if (e := estimate(chosen)) is not None:
             draws.append(e)
     boot = np.array(draws)
-    ids = np.array([100 * r["id"] for r in cells])
-    slope = np.polyfit(ids, [100 * r["ood"] for r in cells], 1)[0] if np.ptp(ids) > 0 else float("nan")
     return {
         arm: {"ood": float(point[i]), "ci": interval(boot[:, i]) if len(boot) else (np.nan, np.nan)}
         for arm, i in index.items()
-    } | {"_pooled_slope": float(slope), "_resamples": len(boot)}
+    } | {"_resamples": len(boot)}
 
 
 def adjusted_table(results: list[dict], sets: tuple[str, ...], arms: tuple[str, ...]) -> str:
