@@ -7,10 +7,11 @@ Per base, the term (``anchor_loss`` in the log, λ = 1) at each of the first ste
 * ``online_softmax`` / ``online_sigmoid``: the base's own forward, the KL read under softmax (the grids') and under
   the normalised sigmoid (``rpb train``'s default on a DeepSeek-V3-class model). At step 1 the model is the base:
   the term is 0; its size over the next steps is what a λ is weighed against;
-* ``routes_ids`` / ``routes_topk_kl`` / ``routes_bucket``: stored routes (``rpb routes``), ids alone (the set
-  cross-entropy: not 0 at the base, the base's own top-k probabilities being below 1), and with the base's top-k
-  probabilities (softmax) renormalised over the k (``anchor.routes_loss=topk-kl``: not 0 at the base either) or as
-  they are with one bucket for the rest (the default: 0 at the base).
+* ``routes_hinge`` / ``routes_set_ce`` / ``routes_topk_kl`` / ``routes_bucket``: stored routes (``rpb routes``),
+  ids alone read by the selection rule's hinge (the default there: 0 at the base) or by the set cross-entropy
+  (``anchor.routes_loss=set-ce``: not 0 at the base, the base's own top-k probabilities being below 1), and with
+  the base's top-k probabilities (softmax) renormalised over the k (``topk-kl``: not 0 at the base either) or as
+  they are with one bucket for the rest (the default with probabilities: 0 at the base).
 
 Printed: each variant's term per step, and the ratios a reader converts a λ with (softmax over sigmoid after the
 first step, the stored forms at the base). The last line is one JSON object.
@@ -97,7 +98,13 @@ def main(argv: list[str] | None = None) -> None:
         variants = {
             "online_softmax": {"router_transform": "softmax"},
             "online_sigmoid": {"router_transform": "sigmoid-normalized"},
-            "routes_ids": {"router_transform": "softmax", "base": "routes", "routes": str(ids)},
+            "routes_hinge": {"router_transform": "softmax", "base": "routes", "routes": str(ids)},
+            "routes_set_ce": {
+                "router_transform": "softmax",
+                "base": "routes",
+                "routes": str(ids),
+                "routes_loss": "set-ce",
+            },
             "routes_topk_kl": {
                 "router_transform": "softmax",
                 "base": "routes",

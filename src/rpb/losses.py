@@ -1,6 +1,6 @@
 """Pure auxiliary-loss math for the comparison anchors (tensor in, tensor out).
 
-Shape legend: T = tokens, E = experts, K = top-k, H = hidden.
+Shape legend: T = tokens, E = experts, K = top-k, M = stored experts, G = expert groups, H = hidden.
 ``valid_T`` marks non-padding tokens; every mean below is over valid tokens only.
 Each function returns one layer's term; the anchors average over MoE layers.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rpb.prior import router_probs
+from rpb.routing import RouterSpec, kept_groups
 
 
 def _masked_mean_T(values_T: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
@@ -78,17 +79,18 @@ def logit_l2(logits_TE: torch.Tensor, base_logits_TE: torch.Tensor, valid_T: tor
 
 
 #: ``anchor.routes_loss``, the stored-routes forms of routing-kd: ``bucket`` (the base's probabilities at the stored
-#: experts and one bucket for the rest; 0 at the base), ``topk-kl`` (those probabilities renormalised over the stored
-#: experts: not 0 at the base), ``set-ce`` (ids alone: the set cross-entropy, not 0 at the base)
-ROUTES_LOSSES = ("bucket", "topk-kl", "set-ce")
+#: experts and one bucket for the rest; 0 at the base), ``hinge`` (ids alone: the selection rule's margin, 0 wherever
+#: the model's rule returns the base's set), ``topk-kl`` (the probabilities renormalised over the stored experts: not
+#: 0 at the base), ``set-ce`` (ids alone: the set cross-entropy, not 0 at the base)
+ROUTES_LOSSES = ("bucket", "hinge", "topk-kl", "set-ce")
 #: the forms that read the base's probabilities (a route file from ``rpb routes --with-probs``)
 ROUTES_LOSSES_WITH_PROBS = ("bucket", "topk-kl")
 
 
 def routes_loss_form(asked: str | None, with_probs: bool) -> str:
     """The stored-routes form a run uses: the one asked for, else ``bucket`` where the file has the base's
-    probabilities and ``set-ce`` where it has ids alone."""
-    return asked if asked is not None else ("bucket" if with_probs else "set-ce")
+    probabilities and ``hinge`` where it has ids alone (the two forms that are 0 at the base)."""
+    return asked if asked is not None else ("bucket" if with_probs else "hinge")
 
 
 def routing_kd_topk(
@@ -131,8 +133,74 @@ def routing_kd_bucket(
     q_rest_T = (1.0 - q_TM.sum(-1)).clamp_min(0.0)
     p_rest_T = (1.0 - p_TM.sum(-1)).clamp_min(0.0)
     stored_T = (q_TM * (q_TM.clamp_min(1e-30).log() - p_TM.clamp_min(1e-30).log())).sum(-1)
+    if base_ids_TM.shape[-1] == logits_TE.shape[-1]:  # every expert stored: no rest, only its rounding left out
+        return _masked_mean_T(stored_T, valid_T)
     rest_T = q_rest_T * (q_rest_T.clamp_min(1e-30).log() - p_rest_T.clamp_min(1e-30).log())
     return _masked_mean_T(stored_T + rest_T, valid_T)
+
+
+def selection_scores(logits_TE: torch.Tensor, spec: RouterSpec, expert_bias_E: torch.Tensor | None) -> torch.Tensor:
+    """What the family's rule ranks experts by, in a scale the hinge reads: a sigmoid router's scores plus its
+    expert-correction bias (the rule's own numbers), a softmax router's logits (the same ranking as its
+    probabilities, within groups scored by their best expert too, and a margin in log-probability), a
+    ``topk-softmax`` router's logits (what it selects on)."""
+    if spec.score_function == "sigmoid":
+        s_TE = logits_TE.float().sigmoid()
+        return s_TE if expert_bias_E is None else s_TE + expert_bias_E.float()
+    return logits_TE.float()
+
+
+def hinge_refusal(spec: RouterSpec) -> str | None:
+    """Why the hinge cannot express a router's selection rule (None: it can): groups scored by the sum of their two
+    best softmax probabilities rank otherwise than the same sum of logits."""
+    if spec.group_scoring == "top2-sum" and spec.score_function != "sigmoid":
+        return (
+            f"anchor.routes_loss=hinge: groups scored by top2-sum over {spec.score_function} scores rank otherwise "
+            "than their logits' sum, which the hinge reads; use set-ce, or routes with probabilities (bucket)"
+        )
+    return None
+
+
+def routing_kd_hinge(
+    logits_TE: torch.Tensor,
+    base_ids_TK: torch.Tensor,
+    valid_T: torch.Tensor,
+    spec: RouterSpec,
+    expert_bias_E: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routing-kd`` from ids alone, 0 wherever the model's own rule returns the base's set: ``(term, active_T)``.
+
+    On the rule's selection scores s (``selection_scores``), per token: relu(max s over the other experts the rule
+    could pick - min s over the base's k), the others being those of the groups the model's rule keeps where the
+    family routes by groups; there, also relu(the group score the base's weakest group must beat - its score),
+    the bar being the best group outside the base's that the rule would keep in place of one of them (the
+    ``topk_groups - b + 1``-th best such, b the groups the base's k sit in). Both are 0 when the rule returns the
+    base's set (ties included) and positive only where it is being lost, so the gradient moves only the base's
+    weakest expert (and group) up and its strongest rival down. ``active_T``: the valid tokens where it is
+    positive."""
+    if (why := hinge_refusal(spec)) is not None:
+        raise ValueError(why)
+    s_TE = selection_scores(logits_TE, spec, expert_bias_E)
+    T, E = s_TE.shape
+    base_TE = torch.zeros(T, E, dtype=torch.bool, device=s_TE.device).scatter_(1, base_ids_TK.long(), True)
+    weakest_T = s_TE.masked_fill(~base_TE, float("inf")).min(-1).values
+    rivals_TE = ~base_TE
+    term_T = torch.zeros(T, device=s_TE.device)
+    if spec.group_scoring is not None:
+        G, per = spec.num_groups, E // spec.num_groups
+        kept_TG = kept_groups(s_TE.detach(), spec)  # the groups the model's rule keeps: where its rivals are
+        rivals_TE = rivals_TE & kept_TG.repeat_interleave(per, dim=1)
+        grouped_TGe = s_TE.view(T, G, per)
+        g_TG = grouped_TGe.topk(2, dim=-1)[0].sum(-1) if spec.group_scoring == "top2-sum" else grouped_TGe.amax(-1)
+        base_TG = base_TE.view(T, G, per).any(-1)
+        weakest_group_T = g_TG.masked_fill(~base_TG, float("inf")).min(-1).values
+        others_TG = g_TG.masked_fill(base_TG, float("-inf")).sort(-1, descending=True).values
+        at_T = (spec.topk_groups - base_TG.sum(-1)).clamp(0, G - 1)
+        bar_T = others_TG.gather(1, at_T[:, None]).squeeze(1)
+        term_T = term_T + torch.where(bar_T.isfinite(), (bar_T - weakest_group_T).clamp_min(0), term_T)
+    rival_T = s_TE.masked_fill(~rivals_TE, float("-inf")).max(-1).values
+    term_T = term_T + torch.where(rival_T.isfinite(), (rival_T - weakest_T).clamp_min(0), torch.zeros_like(term_T))
+    return _masked_mean_T(term_T, valid_T), (term_T > 0) & (valid_T > 0)
 
 
 def output_kd(logits_BTV: torch.Tensor, base_logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:

@@ -134,3 +134,56 @@ def test_the_bucket_form_is_0_at_the_base_and_with_every_expert_stored_is_online
     # float32 sums in another order, and a rest of ~1e-7 in place of 0: equal to a few ulps of the term
     assert float(whole) == pytest.approx(float(online), rel=1e-5)
     assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_the_ids_alone_hinge_is_the_rules_margin_worked_by_hand():
+    """Four experts, top-2, no groups (softmax: the margin on the logits): the base chose {0, 1}."""
+    from rpb import losses
+    from rpb.routing import RouterSpec
+
+    spec = RouterSpec("softmax", top_k=2, num_experts=4)
+    base_TK = torch.tensor([[0, 1], [0, 1], [0, 1]])
+    z_TE = torch.tensor([[3.0, 2.0, 1.0, 0.0],  # the rule still picks {0, 1}: 0
+                         [3.0, 1.0, 1.5, 0.0],  # expert 2 (1.5) beats the base's weakest (1.0): 0.5
+                         [0.0, 2.0, 1.0, 4.0]],  # expert 3 (4.0) beats the weakest (0.0): 4.0
+                        requires_grad=True)  # fmt: skip
+    valid_T = torch.tensor([True, True, True])
+    term, active_T = losses.routing_kd_hinge(z_TE, base_TK, valid_T, spec)
+    assert float(term.detach()) == pytest.approx((0 + 0.5 + 4.0) / 3) and active_T.tolist() == [False, True, True]
+    term.backward()  # only the weakest base expert rises and the strongest rival falls, on the active tokens
+    want = torch.tensor([[0, 0, 0, 0], [0, -1 / 3, 1 / 3, 0], [-1 / 3, 0, 0, 1 / 3]])
+    torch.testing.assert_close(z_TE.grad, want)
+    # the padding token is neither counted nor active
+    term, active_T = losses.routing_kd_hinge(z_TE, base_TK, torch.tensor([True, True, False]), spec)
+    assert float(term) == pytest.approx(0.25) and active_T.tolist() == [False, True, False]
+
+
+def test_the_ids_alone_hinge_holds_the_groups_and_the_correction_bias_worked_by_hand():
+    """Sigmoid scores plus a correction bias, 3 groups of 2, the two best groups by their top-2 sum, top-2; the base
+    chose experts 0 and 1 (group 0 alone, so one more group is kept beside it)."""
+    from rpb import losses
+    from rpb.routing import RouterSpec, select
+
+    spec = RouterSpec("sigmoid", top_k=2, num_experts=6, group_scoring="top2-sum", num_groups=3, topk_groups=2)
+    bias_E = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.0, 0.0])
+    s = torch.tensor(
+        [
+            [0.9, 0.8, 0.2, 0.1, 0.3, 0.3],  # groups 1.7, 0.8, 0.6: the rule picks {0, 1}: 0
+            [0.5, 0.2, 0.6, 0.1, 0.4, 0.4],  # scores with the bias: 0.5 0.2 | 1.1 0.1 | 0.4 0.4
+            [0.9, 0.8, 0.35, 0.0, 0.5, 0.45],
+        ]
+    )  # with the bias: 0.9 0.8 | 0.85 0.0 | 0.5 0.45
+    z_TE = torch.logit(s).requires_grad_()
+    base_TK = torch.tensor([[0, 1], [0, 1], [0, 1]])
+    valid_T = torch.tensor([True, True, True])
+    assert select(z_TE.detach(), spec, expert_bias_E=bias_E)[[0, 2]].sort(-1).values.tolist() == [[0, 1], [0, 1]]
+    term, active_T = losses.routing_kd_hinge(z_TE, base_TK, valid_T, spec, bias_E)
+    # token 1: groups 0.7, 1.2, 0.8 keep groups 1 and 2, so group 0 (0.7) must beat the best other group but one
+    # (0.8, the 2 - 1 + 1 = 2nd best): 0.1; the rivals are the kept groups' experts, best 2 at 1.1 against the base's
+    # weakest, expert 1 at 0.2: 0.9. Token 2: expert 2 (0.85) outscores the base's 0.8, but its group (0.85) loses
+    # to group 2 (0.95), so the rule never sees it: 0
+    assert active_T.tolist() == [False, True, False]
+    assert float(term.detach()) == pytest.approx((0.1 + 0.9) / 3, abs=1e-6)
+    refused = RouterSpec("softmax", 2, 6, group_scoring="top2-sum", num_groups=3, topk_groups=2)
+    with pytest.raises(ValueError, match="top2-sum over softmax scores rank otherwise"):
+        losses.routing_kd_hinge(z_TE, base_TK, valid_T, refused)

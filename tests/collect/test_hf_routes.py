@@ -102,3 +102,19 @@ def test_with_probs_stores_the_routers_probabilities_at_the_routed_experts(repli
         torch.testing.assert_close(probs[:, m.layer_index].double(), want, rtol=1e-4, atol=1e-6)
     dense = [i for i in range(rf.routes_RXK.shape[1]) if i not in {m.layer_index for m in layers}]
     assert all(float(probs[:, i].abs().sum()) == 0 for i in dense)
+    # --top-m: the routed k, then the likeliest of the others; bounds and its need of --with-probs refused by name
+    E, K = int(layers[0].router.weight.shape[0]), routes.shape[-1]
+    assert main([*args, "--out", str(out), "--with-probs", "--top-m", str(K + 2)]) == 0
+    assert f"at the top {K + 2} experts" in capsys.readouterr().out
+    extra_ids, extra_probs = load_routes(out).extra(0)
+    for pos, m in enumerate(layers):
+        s = torch.sigmoid(seen[pos].double().reshape(ids.shape[1], -1))
+        p_TE = (s / s.sum(-1, keepdim=True)).scatter(-1, routes[:, m.layer_index].long(), -1.0)
+        want = p_TE.topk(2, dim=-1)
+        assert torch.equal(extra_ids[:, m.layer_index].long(), want.indices)
+        torch.testing.assert_close(extra_probs[:, m.layer_index].double(), want.values, rtol=1e-4, atol=1e-6)
+    for bad, says in ((K - 1, f"runs from {K} to {E}"), (E + 1, f"runs from {K} to {E}")):
+        assert main([*args, "--out", str(tmp_path / "x"), "--with-probs", "--top-m", str(bad)]) != 0
+        assert says in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "x"), "--top-m", str(K)]) != 0
+    assert "it goes with --with-probs" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -32,3 +32,50 @@ MUTANTS: tuple[Mutant, ...] = (
         tests=(f"{MATRIX}::test_stored_routing_kd_is_the_hand_set_cross_entropy_and_top_k_kl",),
     ),
 )
+
+HF_ROUTES = "tests/collect/test_hf_routes.py"
+HINGE_GROUPS = "test_the_ids_alone_hinge_holds_the_groups_and_the_correction_bias_worked_by_hand"
+WHOLE = "test_a_whole_distribution_route_file_is_online_routing_kd"
+
+MUTANTS += (
+    Mutant(
+        name="hinge_rivals_from_every_group",
+        story="the ids-alone hinge takes the base's rivals from every expert, not the groups the model's rule keeps: "
+        "it is active where the rule still returns the base's set (a likelier expert in a group the rule drops)",
+        path="losses.py",
+        function="routing_kd_hinge",
+        pattern=r"rivals_TE = rivals_TE & kept_TG\.repeat_interleave\(per, dim=1\)",
+        replacement="rivals_TE = rivals_TE",
+        tests=(f"{METHODS}::{HINGE_GROUPS}",),
+    ),
+    Mutant(
+        name="hinge_group_bar_left_out",
+        story="the ids-alone hinge drops its group part: where the rule stops keeping one of the base's groups, only "
+        "the experts' margin is left to hold it",
+        path="losses.py",
+        function="routing_kd_hinge",
+        pattern=r"term_T = term_T \+ torch\.where\(bar_T\.isfinite\(\)",
+        replacement="term_T = term_T + 0 * torch.where(bar_T.isfinite()",
+        tests=(f"{METHODS}::{HINGE_GROUPS}",),
+    ),
+    Mutant(
+        name="extra_stored_experts_ignored",
+        story="the bucket form reads the route file's top-k alone and drops the experts --top-m stored beyond it: a "
+        "whole-distribution file no longer gives online routing-kd's term",
+        path="anchors/methods.py",
+        function="_routing_kd",
+        pattern=r"if s\.routing_extra_ids_TJ is not None:",
+        replacement="if False:",
+        tests=(f"{MATRIX}::{WHOLE}",),
+    ),
+    Mutant(
+        name="next_experts_repeat_the_routed",
+        story="rpb routes --top-m ranks the extra experts among all, the routed ones included: the file stores the "
+        "likeliest routed experts twice and misses others",
+        path="collect/hf_routes.py",
+        function="next_experts",
+        pattern=r"outside_BPLE = probs_BPLE\.scatter\(-1, routes_BPLK, -1\.0\)",
+        replacement="outside_BPLE = probs_BPLE",
+        tests=(f"{HF_ROUTES}::test_with_probs_stores_the_routers_probabilities_at_the_routed_experts",),
+    ),
+)

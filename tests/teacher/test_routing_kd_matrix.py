@@ -13,6 +13,7 @@ from rpb.anchors import AnchorConfig, install_anchor
 from rpb.collect.hf_routes import write_routes
 from rpb.data import load_labelled
 from rpb.models import load_causal_lm, load_tokenizer
+from rpb.replay.routefile import load_routes
 from rpb.teacher import load_stored_routes, online_base
 from rpb.testing.data import conversations, write_jsonl
 from rpb.testing.replicas import REPLICAS, published, routing_part
@@ -123,9 +124,9 @@ def test_stored_routing_kd_is_the_hand_set_cross_entropy_and_top_k_kl(name, fami
     handle = install_anchor(model, AnchorConfig(method="routing-kd", lambda_=LAMBDA, base="routes", routes="x"))
     sigmoid = facts.score_function == "sigmoid"
     valid_T = batch["attention_mask"].reshape(-1).bool()
-    # ids alone (the set cross-entropy), the probabilities renormalised over the k (topk-kl), and with the bucket
-    # (the default where probabilities are stored)
-    for with_probs, form in ((False, None), (True, "topk-kl"), (True, None)):
+    # ids alone (the set cross-entropy, by name: the hinge, the default there, has its own test below), the
+    # probabilities renormalised over the k (topk-kl), and with the bucket (the default where probabilities are stored)
+    for with_probs, form in ((False, "set-ce"), (True, "topk-kl"), (True, None)):
         handle.config.routes_loss = form
         path = tmp / f"routes-{with_probs}.safetensors"
         if not path.is_file():
@@ -178,3 +179,104 @@ def test_stored_routing_kd_is_the_hand_set_cross_entropy_and_top_k_kl(name, fami
         at_base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         assert float(handle.loss().detach()) == pytest.approx(0.0, abs=1e-6), f"{name}: the bucket at the base"
     handle.remove()
+
+
+def stored_teacher(handle, path, labelled, model, fingerprint):
+    layers = handle.layers
+    return load_stored_routes(
+        path, labelled, routers_sha256=fingerprint, moe_layers=[m.moe.layer_index for m in layers],
+        num_layers=model.config.get_text_config().num_hidden_layers, top_k=layers[0].spec.top_k,
+        num_experts=layers[0].spec.num_experts, transform=handle.router_transform,
+    )  # fmt: skip
+
+
+def term_and_grads(model, handle, batch) -> tuple[float, dict]:
+    model.zero_grad(set_to_none=True)
+    with handle.step(batch["rpb_sample_index"], batch["rpb_span"], batch["attention_mask"]) as ctx:
+        ctx.base = handle.base_routing(batch, batch["rpb_sample_index"])
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        term = handle.loss()
+        term.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(term.detach()), grads
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v3"])  # softmax; sigmoid with groups and a bias
+def test_a_whole_distribution_route_file_is_online_routing_kd(name, family):
+    """``rpb routes --with-probs --top-m E``: the bucket form over every expert is online ``routing-kd``'s KL,
+    its value and its gradient, on the same batch of the same moved model."""
+    model_dir, data, tmp = family(name)
+    model = load_causal_lm(str(model_dir)).train()
+    facts = get_adapter(model.config.model_type)
+    layers = find_moe_layers(model, facts)
+    E = int(layers[0].router.weight.shape[0])
+    fingerprint = routers_sha256(layers, facts)
+    path = tmp / "routes-whole.safetensors"
+    write_routes(str(model_dir), data, path, MAX_LEN, probs_transform="family", top_m=E)
+    routes = load_routes(path)
+    assert routes.metadata["schema_version"] == 2 and routes.top_m == E
+    # the stored experts of every token and layer: the routed K first (the file's routes), then every other expert
+    # once, in falling probability
+    every_RXE = torch.cat([routes.routes_RXK, routes.extra_ids_RXJ], -1).long()
+    at = [m.layer_index for m in layers]
+    assert torch.equal(every_RXE[:, at].sort(-1).values, torch.arange(E).expand(every_RXE[:, at].shape))
+    extra_RXJ = routes.extra_probs_RXJ[:, at]
+    assert bool((extra_RXJ[..., 1:] <= extra_RXJ[..., :-1]).all())
+    batch = batch_of(model_dir, data)
+    labelled = load_labelled(str(data), load_tokenizer(str(model_dir)), MAX_LEN)
+    handle = install_anchor(model, AnchorConfig(method="routing-kd", lambda_=LAMBDA))
+    handle.teacher = online_base(model, facts, model_id=str(model_dir), dtype=None, outputs=False)
+    move(model, facts)  # after the base is taken: the base stays the checkpoint's
+    online, online_grads = term_and_grads(model, handle, batch)
+    handle.remove()
+    handle = install_anchor(model, AnchorConfig(method="routing-kd", lambda_=LAMBDA, base="routes", routes=str(path)))
+    handle.teacher = stored_teacher(handle, path, labelled, model, fingerprint)
+    assert handle.teacher.top_m == E and handle.teacher.routes_loss == "bucket"
+    stored, stored_grads = term_and_grads(model, handle, batch)
+    handle.remove()
+    assert online > 1e-3, f"{name}: the drift should move the routing"
+    assert stored == pytest.approx(online, abs=1e-6)
+    assert online_grads.keys() == stored_grads.keys() and len(online_grads) > len(layers)
+    worst = max(float((online_grads[n] - stored_grads[n]).abs().max()) for n in online_grads)
+    assert worst <= 1e-6, f"{name}: gradients differ by {worst:.2e}"
+
+
+@pytest.mark.parametrize("name", REPLICAS)
+def test_the_ids_alone_hinge_is_active_exactly_where_the_models_own_rule_loses_the_bases_set(name, family):
+    """``anchor.routes_loss: hinge`` from an ids-alone route file: 0 on the base itself, and after a known drift
+    active on exactly the tokens whose set, as the model's own router returns it (the test's hooks), differs from
+    the base's stored one, in every MoE layer."""
+    model_dir, data, tmp = family(name)
+    model = load_causal_lm(str(model_dir)).train()
+    facts = get_adapter(model.config.model_type)
+    fingerprint = routers_sha256(find_moe_layers(model, facts), facts)
+    path = tmp / "routes-False.safetensors"
+    if not path.is_file():
+        write_routes(str(model_dir), data, path, MAX_LEN)
+    batch = batch_of(model_dir, data)
+    labelled = load_labelled(str(data), load_tokenizer(str(model_dir)), MAX_LEN)
+    valid_T = batch["attention_mask"].reshape(-1).bool()
+    config = AnchorConfig(method="routing-kd", lambda_=LAMBDA, base="routes", routes=str(path), routes_loss="hinge")
+    for moved in (False, True):
+        if moved:
+            move(model, facts)
+        handle = install_anchor(model, config, record_stats=True)
+        handle.teacher = stored_teacher(handle, path, labelled, model, fingerprint)
+        seen = {}
+        hooks = [m.moe.router.register_forward_hook(lambda mod, a, out, p=p, seen=seen: seen.__setitem__(p, out))
+                 for p, m in enumerate(handle.layers)]  # fmt: skip
+        term, _ = term_and_grads(model, handle, batch)
+        for h in hooks:
+            h.remove()
+        base = handle.teacher.step(batch["rpb_sample_index"])
+        for pos in range(len(handle.layers)):
+            own_TK = seen[pos][2].reshape(valid_T.shape[0], -1).long()
+            lost_T = (own_TK.sort(-1).values != base.ids_LTK[pos].sort(-1).values).any(-1) & valid_T
+            stats = handle.stats[pos]
+            assert (stats.hinge_active, stats.hinge_tokens) == (int(lost_T.sum()), int(valid_T.sum())), (name, pos)
+        lost = sum(handle.stats[pos].hinge_active for pos in handle.stats)
+        handle.remove()
+        if not moved:
+            assert term == 0.0 and lost == 0, f"{name}: the hinge at the base itself"
+        else:
+            assert term > 0 and lost > 0, f"{name}: the drift should lose some of the base's sets"

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from rpb.collect.hf_routes import write_routes
 from rpb.errors import ArgumentError, ConfigError
+from rpb.replay.routefile import ROUTES_KEY
 from rpb.testing.data import conversations, write_jsonl
 from rpb.train.run import prepare_run, run_training
 from tests.teacher.conftest import MAX_LEN, config, log_of
@@ -28,14 +31,20 @@ def test_stored_routes_train_and_what_they_cannot_serve_is_refused(setup, tmp_pa
     # -log of the base's mass on its own top-k; tests/teacher/test_routing_kd_matrix.py reads both by hand)
     assert len(terms) == 3 and terms[0] == pytest.approx(0.0, abs=1e-6) and 0 < terms[-1] < 10
     assert record["routes_loss"] == "bucket"
+    # a version-1 file (the `hold` grid's, before --top-m) is the same routes: the same bucket terms, step by step
+    tensors, meta = load_file(routes), json.loads(safe_open(str(routes), "pt").metadata()[ROUTES_KEY])
+    save_file(tensors, str(tmp / "v1.safetensors"), metadata={ROUTES_KEY: json.dumps({**meta, "schema_version": 1})})
+    out = run_training(config(setup, tmp_path / "v1", "routing-kd", "anchor.base=routes",
+                              f"anchor.routes={tmp / 'v1.safetensors'}"), progress=False)  # fmt: skip
+    assert [r["anchor_loss"] for r in log_of(out) if "anchor_loss" in r] == terms
     ids_alone = tmp / "ids.safetensors"
     write_routes(str(setup[0]), setup[1], ids_alone, MAX_LEN)
     with pytest.raises(ArgumentError, match=r"anchor.routes_loss=bucket reads the base's probabilities"):
         prepare_run(config(setup, tmp_path / "x", "routing-kd", "anchor.base=routes", f"anchor.routes={ids_alone}",
                            "anchor.routes_loss=bucket"))  # fmt: skip
-    with pytest.raises(ConfigError, match=r"anchor.routes_loss: one of bucket, topk-kl, set-ce"):
+    with pytest.raises(ConfigError, match=r"anchor.routes_loss: one of bucket, hinge, topk-kl, set-ce"):
         config(setup, tmp_path / "x", "routing-kd", "anchor.base=routes", f"anchor.routes={routes}",
-               "anchor.routes_loss=hinge")  # fmt: skip
+               "anchor.routes_loss=margin")  # fmt: skip
     with pytest.raises(ConfigError, match=r"anchor.routes_loss: the form of routing-kd's term from stored routes"):
         config(setup, tmp_path / "x", "routing-kd", "anchor.routes_loss=bucket")
     with pytest.raises(ConfigError, match=r"output-kd needs the base's next-token distribution"):
@@ -118,3 +127,24 @@ def test_a_resumed_run_pins_the_route_files_contents_and_older_checkpoints_still
     plain = config(setup, tmp_path / "b", "kl-to-base")
     assert not {"base", "routes", "base_dtype"} & set(run_record(plain, base_routers_sha256="r", data_sha256="d",
                                                                  prior_sha256=None)["method"])  # fmt: skip
+    # a checkpoint written while ids alone defaulted to set-ce recorded the defaults as one string: with a file of
+    # probabilities it meant the bucket, today's default, and resumes; with ids alone it meant set-ce, not today's
+    # hinge, and is refused naming both
+    from rpb.train.checkpoints import MARKER, ROUTES_DEFAULT_BEFORE_HINGE, ResumeError, resolve_resume
+
+    assert pinned["routes_loss"] == "default: bucket"
+    ids_alone = tmp_path / "ids.safetensors"
+    write_routes(str(setup[0]), setup[1], ids_alone, MAX_LEN)
+    cfg_ids = config(setup, tmp_path / "c", "routing-kd", "anchor.base=routes", f"anchor.routes={ids_alone}")
+    for cfg_now, resumes in ((cfg, True), (cfg_ids, False)):
+        record = run_record(cfg_now, base_routers_sha256="r", data_sha256="d", prior_sha256=None)
+        old = tmp_path / f"old-{resumes}" / "checkpoint-1"
+        old.mkdir(parents=True)
+        saved = {**record, "method": {**record["method"], "routes_loss": ROUTES_DEFAULT_BEFORE_HINGE}}
+        (old / MARKER).write_text(json.dumps({"step": 1, **saved}))
+        if resumes:
+            assert resolve_resume(old.parent, str(old), record) == str(old)
+        else:
+            with pytest.raises(ResumeError, match=r"method.routes_loss: the checkpoint's run has 'default: set-ce', "
+                               r"this run has 'default: hinge'"):  # fmt: skip
+                resolve_resume(old.parent, str(old), record)

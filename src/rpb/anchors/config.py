@@ -54,7 +54,7 @@ class AnchorConfig:
     #: keep it (``rpb.anchors.target``; ``lambda``, where given, is where λ starts). None: the fixed ``lambda``
     target: float | None = None
     #: anchor.base=routes: routing-kd's stored-routes form (``rpb.anchors.methods.ROUTES_LOSSES``): None, ``bucket``
-    #: where the file has the base's probabilities (0 at the base) and ``set-ce`` where it has ids alone
+    #: where the file has the base's probabilities and ``hinge`` where it has ids alone (both 0 at the base)
     routes_loss: str | None = None
 
     @classmethod

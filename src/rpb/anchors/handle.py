@@ -36,7 +36,7 @@ from rpb.adapters import (
 from rpb.adapters.hf import expert_bias_of
 from rpb.anchors.config import AnchorConfig
 from rpb.anchors.context import TokenContext
-from rpb.anchors.methods import Method, RouterState, get_method
+from rpb.anchors.methods import Method, RouterState, get_method, take_stored
 from rpb.anchors.overlap import OverlapCounts
 from rpb.anchors.prior_routing import PriorRouting
 from rpb.anchors.stats import LayerStats
@@ -192,12 +192,12 @@ class AnchorHandle:
             for tap in self.taps:
                 tap(pos, hidden, logits_TE, native_ids_TK)
         valid_T = ctx.valid_T.to(logits_TE.device)
-        term = None
+        term = active_T = None
         if self.method.loss is not None:
             # computed on every call, so a recomputed forward saves exactly what the first one did
             # (non-reentrant checkpointing checks that); only the first call's term is kept
             weight_T = valid_T if ctx.weight_T is None else ctx.weight_T.to(logits_TE.device)
-            term = self._loss_term(layer, module, hidden, logits_TE, weight_T)
+            term, active_T = self._loss_term(layer, module, hidden, logits_TE, weight_T)
             if first_call:
                 self._terms[pos] = term
             if first_call and self.overlap is not None and not self._unobserved and ctx.base is not None:
@@ -207,6 +207,9 @@ class AnchorHandle:
             gates_TK, ids_TK = self._prior_selection(pos, logits_TE, ctx, native_gates_TK, native_ids_TK)
         if first_call and self.record_stats and not self._unobserved:
             self._record(pos, ids_TK, native_ids_TK, valid_T, ctx.content_T.to(valid_T.device), term, hidden)
+            if active_T is not None:  # the ids-alone hinge: the share of tokens where it is active
+                self.stats[pos].hinge_active += int(active_T.sum())
+                self.stats[pos].hinge_tokens += int(valid_T.sum())
         if self.prior is None:
             return None
         return logits_TE, gates_TK, ids_TK
@@ -234,7 +237,8 @@ class AnchorHandle:
         gates_TK = torch.where(content_T1, gates_TK.to(native_gates_TK.dtype), native_gates_TK)
         return gates_TK, ids_TK
 
-    def _loss_term(self, layer: _Layer, module, hidden, logits_TE, valid_T) -> torch.Tensor:
+    def _loss_term(self, layer: _Layer, module, hidden, logits_TE, valid_T):
+        """``(term, active_T)``: the layer's term, and the tokens where a term that says so is active."""
         reads = self.method.loss.reads
         state = RouterState(layer.spec.score_function, layer.spec.top_k, self.router_transform)
         if reads & {"logits", "base_logits"}:
@@ -244,11 +248,13 @@ class AnchorHandle:
             state.base_logits_TE = layer.base_logits(hidden_TH)
         if "base_routing" in reads:
             self._base_routing_into(state, layer, logits_TE)
+            state.spec, state.expert_bias_E = layer.spec, layer.expert_bias_E
         if "weights" in reads:
             state.weights = ((module.weight, layer.base_weight_EH),)
             if layer.base_bias_E is not None:
                 state.weights += ((getattr(module, self.facts.router_bias), layer.base_bias_E),)
-        return self.method.loss.term(state)
+        term = self.method.loss.term(state)
+        return term, state.active_T
 
     def _base_routing_into(self, state: RouterState, layer: _Layer, logits_TE: torch.Tensor) -> None:
         base = self._context.base
@@ -268,9 +274,7 @@ class AnchorHandle:
         if base.logits_LTE is not None:
             state.routing_logits_TE = base.logits_LTE[pos].to(device)
         else:
-            state.routing_ids_TK = base.ids_LTK[pos].to(device)
-            state.routing_probs_TK = None if base.probs_LTK is None else base.probs_LTK[pos].to(device)
-            state.routes_loss = self.config.routes_loss
+            take_stored(state, base, pos, device, self.config.routes_loss)
 
     @torch.no_grad()
     def _record(self, pos: int, ids_TK, native_ids_TK, valid_T, content_T, term, hidden) -> None:

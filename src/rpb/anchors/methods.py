@@ -38,6 +38,7 @@ import torch
 
 from rpb import losses
 from rpb.errors import ArgumentError
+from rpb.routing import RouterSpec
 
 #: what a loss term may read of a router in one step (``RouterState``'s fields)
 LossInput = Literal["logits", "base_logits", "weights", "base_routing"]
@@ -67,7 +68,15 @@ class RouterState:
     routing_logits_TE: torch.Tensor | None = None
     routing_ids_TK: torch.Tensor | None = None
     routing_probs_TK: torch.Tensor | None = None
-    #: stored routes: the term's form (``ROUTES_LOSSES``; None: ``bucket`` with probabilities, ``set-ce`` without)
+    #: stored routes of a ``--top-m`` file: the next experts by probability after the top-k, and their probabilities
+    routing_extra_ids_TJ: torch.Tensor | None = None
+    routing_extra_probs_TJ: torch.Tensor | None = None
+    #: the router's selection rule and expert-correction bias (stored routes: the ids-alone hinge reads them)
+    spec: RouterSpec | None = None
+    expert_bias_E: torch.Tensor | None = None
+    #: what a term reports back besides its value: the tokens where the ids-alone hinge is active (logged)
+    active_T: torch.Tensor | None = None
+    #: stored routes: the term's form (``ROUTES_LOSSES``; None: ``bucket`` with probabilities, ``hinge`` without)
     routes_loss: str | None = None
 
 
@@ -159,8 +168,17 @@ def _routing_kd(s: RouterState) -> torch.Tensor:
         form = losses.routes_loss_form(s.routes_loss, s.routing_probs_TK is not None)
         if form in losses.ROUTES_LOSSES_WITH_PROBS and s.routing_probs_TK is None:
             raise ValueError(f"anchor.routes_loss={form} reads the base's probabilities; the route file has ids alone")
+        if form == "hinge":
+            term, s.active_T = losses.routing_kd_hinge(
+                s.logits_TE, s.routing_ids_TK, s.valid_T, s.spec, s.expert_bias_E
+            )
+            return term
         if form == "bucket":
-            return losses.routing_kd_bucket(s.logits_TE, s.routing_ids_TK, s.routing_probs_TK, s.valid_T, s.transform)
+            ids_TM, probs_TM = s.routing_ids_TK, s.routing_probs_TK
+            if s.routing_extra_ids_TJ is not None:  # the experts stored beyond the top-k refine the coarsening
+                ids_TM = torch.cat([ids_TM, s.routing_extra_ids_TJ], -1)
+                probs_TM = torch.cat([probs_TM, s.routing_extra_probs_TJ], -1)
+            return losses.routing_kd_bucket(s.logits_TE, ids_TM, probs_TM, s.valid_T, s.transform)
         probs = s.routing_probs_TK if form == "topk-kl" else None
         return losses.routing_kd_topk(s.logits_TE, s.routing_ids_TK, probs, s.valid_T, s.transform)
     # online: KL(q || p) with q from the base's own forward, which is kl-to-base's formula on other base logits
@@ -168,6 +186,19 @@ def _routing_kd(s: RouterState) -> torch.Tensor:
 
 
 ROUTING_KD = LossAnchor(_routing_kd, frozenset({"logits", "base_routing"}))
+
+
+def take_stored(state: RouterState, base, pos: int, device, routes_loss: str | None) -> None:
+    """Put MoE layer ``pos``'s rows of stored routes (``rpb.teacher.BaseRouting``: ids, probabilities, the
+    ``--top-m`` file's extra experts) into ``state``, on ``device``."""
+    state.routing_ids_TK = base.ids_LTK[pos].to(device)
+    state.routing_probs_TK = None if base.probs_LTK is None else base.probs_LTK[pos].to(device)
+    if base.extra_ids_LTJ is not None:
+        state.routing_extra_ids_TJ = base.extra_ids_LTJ[pos].to(device)
+        state.routing_extra_probs_TJ = base.extra_probs_LTJ[pos].to(device)
+    state.routes_loss = routes_loss
+
+
 LOGIT_L2 = LossAnchor(
     lambda s: losses.logit_l2(s.logits_TE, s.base_logits_TE, s.valid_T), frozenset({"logits", "base_logits"})
 )

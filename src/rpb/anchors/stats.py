@@ -15,6 +15,8 @@ tokens) and turned into named figures (``routing_metrics``):
                                       |S ∩ S_base| / k: the current router's own top-k against the
                                       frozen base router's, on the same (current) hidden states
                                       (methods that keep a base router)
+  moe/layer_{i}/routes_hinge_active   the share of tokens where routing-kd's ids-alone hinge is active:
+                                      the model's rule no longer returns the base's stored set
   moe/mean/...                        the same, averaged over MoE layers
 
 ``i`` is the decoder-layer index. Shape legend: E experts.
@@ -29,6 +31,7 @@ import torch
 from rpb.retention.metrics import entropy_bits
 
 _SCALARS = ("tokens", "content", "changed", "term_sum", "term_steps", "overlap", "overlap_tokens")
+_SCALARS += ("hinge_active", "hinge_tokens")
 
 
 @dataclass
@@ -43,6 +46,8 @@ class LayerStats:
     term_steps: int = 0
     overlap: int = 0  # sum over tokens of |S_current ∩ S_base|
     overlap_tokens: int = 0
+    hinge_active: int = 0  # tokens where routing-kd's ids-alone hinge is positive (the base's set being lost)
+    hinge_tokens: int = 0
     top_k: int = 1
 
     @property
@@ -96,6 +101,8 @@ def _figures(s: LayerStats, loss: bool, base: bool, prior: bool) -> dict[str, fl
         out["anchor_loss"] = s.term_sum / max(s.term_steps, 1)
     if base:
         out["base_topk_overlap_current_hidden"] = s.overlap / max(s.overlap_tokens * s.top_k, 1)
+    if s.hinge_tokens:
+        out["routes_hinge_active"] = s.hinge_active / s.hinge_tokens
     return out
 
 

@@ -93,9 +93,11 @@ def _routes(args) -> int:
         dtype=args.dtype,
         chat_template_kwargs=args.chat_template_kwargs,
         probs_transform=args.with_probs,
+        top_m=args.top_m,
     )
     read_as = "the family's own transform" if args.with_probs == "family" else args.with_probs
     probs = f", with router probabilities ({read_as})" if args.with_probs else ""
+    probs += f" at the top {args.top_m} experts" if args.top_m else ""
     print(f"wrote {args.out}: routes of {n} rows in vLLM's layout{probs} (rpb collect --from-routes reads it)")
     return 0
 
@@ -217,6 +219,13 @@ def add_commands(add) -> None:
         choices=["family", *ROUTER_TRANSFORMS],
         help="also store the router's probabilities at each routed expert, read under this transform (alone: the "
         "family's own; routing-kd trains against the run's, anchor.router_transform, and refuses another)",
+    )
+    o.add_argument(
+        "--top-m",
+        type=int,
+        metavar="M",
+        help="with --with-probs: store M experts per token and layer, the routed top-k first and then the next by "
+        "probability (M = the model's experts: the whole distribution; routing-kd's bucket form reads them all)",
     )
     o.add_argument("--tokenizer", help="default: --model")
     model_options(o)

@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rpb.adapters import find_moe_layers, get_adapter, routers_sha256
+from rpb.adapters import find_moe_layers, get_adapter, router_spec, routers_sha256
 from rpb.collect.collector import plan_batches
 from rpb.collect.rows import KEEP_TOKENS, label_range, scan_rows
 from rpb.data import ChatTemplate, Example
+from rpb.errors import ArgumentError
 from rpb.fileio import write_text_atomic
 from rpb.models import load_base_model, load_tokenizer, pad_id_of
 from rpb.observe.capture import RouterCapture
@@ -48,11 +49,14 @@ def hf_routes(
     batch_size: int = 8,
     adapter: str | None = None,
     probs_transform: str | None = None,
+    top_m: int | None = None,
 ):
     """Each row's routes in vLLM's layout (``[N, num_hidden_layers, K]``), in ``examples``' order, and the
     routers' fingerprint; ``model``: the base model (``rpb.models.load_base_model``) or the causal LM. With
     ``probs_transform``, also each row's router probabilities at its routed experts (the same layout, float32, the
-    router's logits read under that transform; dense layers' columns 0): ``(routes, fingerprint, probs)``."""
+    router's logits read under that transform; dense layers' columns 0): ``(routes, fingerprint, probs)``. With
+    ``top_m`` too, the next ``top_m - K`` experts by probability after the routed ones and their probabilities,
+    the same layout: ``(routes, fingerprint, probs, (extra_ids, extra_probs))``."""
     facts = get_adapter(adapter or model.config.model_type)
     layers = find_moe_layers(model, facts)
     num_layers = int(model.config.get_text_config().num_hidden_layers)
@@ -60,6 +64,8 @@ def hf_routes(
     num_experts = int(layers[0].router.weight.shape[0])
     out: list[np.ndarray | None] = [None] * len(examples)
     probs: list[np.ndarray | None] = [None] * len(examples)
+    extra_ids: list[np.ndarray | None] = [None] * len(examples)
+    extra_probs: list[np.ndarray | None] = [None] * len(examples)
     device = next(model.parameters()).device
     for positions in plan_batches([len(e) for e in examples], batch_size):
         P = max(len(examples[i]) for i in positions)
@@ -76,7 +82,10 @@ def hf_routes(
         routes_BPLK = rec.routes_BSLK  # the prefill's P positions
         if probs_transform is not None:
             probs_BPLE = torch.stack([router_probs(z, probs_transform) for z in logits_LTE], 1).cpu()
-            probs_BPLK = probs_BPLE.reshape(len(positions), P, len(layers), -1).gather(-1, routes_BPLK.long())
+            probs_BPLE = probs_BPLE.reshape(len(positions), P, len(layers), -1)
+            probs_BPLK = probs_BPLE.gather(-1, routes_BPLK.long())
+            if top_m is not None:
+                more_BPLJ, more_probs_BPLJ = next_experts(probs_BPLE, routes_BPLK.long(), top_m)
         for b, i in enumerate(positions):
             n = len(examples[i])
             routes_NXK = np.zeros((n, num_layers, routes_BPLK.shape[-1]), dtype=vllm_dtype(num_experts))
@@ -86,8 +95,26 @@ def hf_routes(
                 probs_NXK = np.zeros(routes_NXK.shape, dtype=np.float32)
                 probs_NXK[:, at] = probs_BPLK[b, :n].numpy()
                 probs[i] = probs_NXK
+            if top_m is not None:
+                ids_NXJ = np.zeros((n, num_layers, top_m - routes_BPLK.shape[-1]), dtype=np.int16)
+                ids_NXJ[:, at] = more_BPLJ[b, :n].numpy()
+                p_NXJ = np.zeros(ids_NXJ.shape, dtype=np.float32)
+                p_NXJ[:, at] = more_probs_BPLJ[b, :n].numpy()
+                extra_ids[i], extra_probs[i] = ids_NXJ, p_NXJ
     fingerprint = routers_sha256(layers, facts)
-    return (out, fingerprint) if probs_transform is None else (out, fingerprint, probs)
+    if probs_transform is None:
+        return out, fingerprint
+    return (out, fingerprint, probs) if top_m is None else (out, fingerprint, probs, (extra_ids, extra_probs))
+
+
+def next_experts(probs_BPLE: torch.Tensor, routes_BPLK: torch.Tensor, top_m: int):
+    """The ``top_m - K`` experts of highest probability outside each token's routed K, in falling probability, and
+    their probabilities: ``(ids_BPLJ, probs_BPLJ)``. The routed K come first in the file whatever their
+    probabilities (the family's rule may pass over a likelier expert: groups, a correction bias)."""
+    J = top_m - routes_BPLK.shape[-1]
+    outside_BPLE = probs_BPLE.scatter(-1, routes_BPLK, -1.0)  # the routed ones ranked below every probability
+    probs_BPLJ, ids_BPLJ = outside_BPLE.topk(J, dim=-1)
+    return ids_BPLJ, probs_BPLJ
 
 
 def _labelled(data_jsonl, tokenizer_id: str, max_seq_len: int, chat_template_kwargs: dict | None):
@@ -107,15 +134,27 @@ def write_routes(
     dtype: str = "float32",
     chat_template_kwargs: dict | None = None,
     probs_transform: str | None = None,
+    top_m: int | None = None,
 ) -> int:
     """``rpb routes``: the route file of ``model_id`` over every row of ``data_jsonl``; returns the row count. With
     ``probs_transform`` (``--with-probs``; ``"family"``: the family's own transform) the router probabilities at
-    the routed experts are stored too, for ``routing-kd`` from stored routes."""
+    the routed experts are stored too, for ``routing-kd`` from stored routes; with ``top_m`` (``--top-m``) those of
+    the next ``top_m - K`` experts by probability too (``top_m`` = the model's experts: the whole distribution)."""
+    if top_m is not None and probs_transform is None:
+        raise ArgumentError("--top-m stores probabilities beyond the top-k: it goes with --with-probs")
     rows, examples, template = _labelled(data_jsonl, tokenizer_id or model_id, max_seq_len, chat_template_kwargs)
     model, _ = load_base_model(model_id, dtype, adapter)  # no LM head: the routes need none
     if probs_transform == "family":  # the family's own reading of its router (softmax, or normalised sigmoid)
         probs_transform = family_transform(get_adapter(adapter or model.config.model_type).score_function)
-    got = hf_routes(model, examples, pad_id_of(template.tokenizer), batch_size, adapter, probs_transform)
+    facts = get_adapter(adapter or model.config.model_type)
+    if top_m is not None:
+        spec = router_spec(find_moe_layers(model, facts)[0].router, facts)
+        if not spec.top_k <= top_m <= spec.num_experts:
+            raise ArgumentError(
+                f"--top-m {top_m}: {model_id} routes to {spec.top_k} of {spec.num_experts} experts; the stored "
+                f"experts are the routed ones and more, so --top-m runs from {spec.top_k} to {spec.num_experts}"
+            )
+    got = hf_routes(model, examples, pad_id_of(template.tokenizer), batch_size, adapter, probs_transform, top_m)
     routes, fingerprint = got[:2]
     save_routes(
         out_path,
@@ -127,6 +166,7 @@ def write_routes(
         data_sha256=rows.sha256,
         probs=got[2] if probs_transform is not None else None,
         probs_transform=probs_transform,
+        extra=got[3] if top_m is not None else None,
     )
     return len(examples)
 

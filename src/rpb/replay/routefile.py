@@ -2,7 +2,8 @@
 they were computed on, in one safetensors file (never pickled).
 
 Shape legend: R = every row's routes back to back, X = the engine's layer axis (every decoder layer, as vLLM and
-SGLang size it, or the MoE layers alone), K = top-k, T = every row's tokens back to back, N = rows.
+SGLang size it, or the MoE layers alone), K = top-k, J = the experts stored after the top-k (``top_m`` - K),
+T = every row's tokens back to back, N = rows.
 
 Tensors
   routes         int16 [R, X, K]  expert ids, as the engine returned them (dense layers' columns kept as they are)
@@ -12,10 +13,16 @@ Tensors
   probs          float32 [R, X, K]  optional (``rpb routes --with-probs``): the model's router probabilities at
                                     each stored expert, under the transform ``probs_transform`` names; engines
                                     return ids alone
+  extra_ids      int16 [R, X, J]    optional, version 2 (``rpb routes --with-probs --top-m M``): the next M - K
+                                    experts by probability after the selected K, so that ``routes`` and
+                                    ``extra_ids`` together are the M stored experts, the selected ones first
+  extra_probs    float32 [R, X, J]  the router probabilities at ``extra_ids`` (with ``probs``, under its transform)
 Metadata (header key ``rpb_routes``): ``schema``, ``schema_version``, ``engine`` (what produced the routes),
 ``routers_sha256`` (the model's router fingerprint, ``rpb.adapters``; null for an engine's arrays, which carry no
 model identity), ``model`` (null where unknown), ``data_sha256`` (of the data file the requests were made from;
-null where unknown), and with ``probs`` its ``probs_transform`` (``rpb.prior.ROUTER_TRANSFORMS``).
+null where unknown), and with ``probs`` its ``probs_transform`` (``rpb.prior.ROUTER_TRANSFORMS``); with
+``extra_ids``, ``top_m`` (K + J). Version 2 added the extra tensors and ``top_m``; a version-1 file reads as a
+version-2 file without them (M = K).
 
 A row sent as a prefill-only request (its tokens, one generated token that is never forwarded) has one route per
 token: ``rpb collect --from-routes`` refuses any other count. The file stores what it is given; the checks
@@ -37,11 +44,32 @@ from rpb.errors import RpbError
 from rpb.prior.artifact import atomic_save
 
 ROUTES_SCHEMA = "rpb_routes"
-ROUTES_SCHEMA_VERSION = 1
+ROUTES_SCHEMA_VERSION = 2
+#: the versions this reader takes (version 1: no extra experts)
+READABLE_VERSIONS = (1, 2)
 ROUTES_KEY = "rpb_routes"
 TENSORS = ("routes", "token_ids", "route_offsets", "token_offsets")
 #: tensors a route file may hold besides ``TENSORS``
-OPTIONAL = ("probs",)
+OPTIONAL = ("probs", "extra_ids", "extra_probs")
+
+
+#: the stored forms docs/collect.md's table compares: how many experts each keeps per token and layer (from the
+#: top-k ``k`` and the experts ``E``) and whether it keeps their probabilities
+STORED_FORMS = {
+    "ids alone": (lambda k, E: k, False),
+    "top-k with probabilities": (lambda k, E: k, True),
+    "top-2k with probabilities": (lambda k, E: min(2 * k, E), True),
+    "whole distribution": (lambda k, E: E, True),
+}
+
+
+def bytes_per_token(num_layers: int, top_k: int, num_experts: int, form: str) -> int:
+    """What a route file of ``form`` (``STORED_FORMS``) spends per token: the int64 token id, and on each of the
+    ``num_layers`` decoder layers (the engines' layout: a dense layer's columns are kept) an int16 id per stored
+    expert and, with probabilities, a float32 each. Row offsets (16 bytes a row) are left out."""
+    experts, with_probs = STORED_FORMS[form]
+    M = experts(top_k, num_experts)
+    return 8 + num_layers * M * (2 + (4 if with_probs else 0))
 
 
 class RouteFileError(RpbError):
@@ -57,6 +85,9 @@ class RouteFile:
     metadata: dict
     #: the router probabilities at each stored expert (None: ids alone)
     probs_RXK: torch.Tensor | None = None
+    #: the next ``top_m - K`` experts by probability and their probabilities (None: the top-k alone)
+    extra_ids_RXJ: torch.Tensor | None = None
+    extra_probs_RXJ: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -69,6 +100,17 @@ class RouteFile:
     def probs(self, row: int) -> torch.Tensor:
         """``probs_SXK`` of row ``row`` (float32; the file must hold probabilities)."""
         return self.probs_RXK[int(self.route_offsets[row]) : int(self.route_offsets[row + 1])]
+
+    def extra(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(extra_ids_SXJ, extra_probs_SXJ)`` of row ``row`` (the file must hold extra experts)."""
+        at = slice(int(self.route_offsets[row]), int(self.route_offsets[row + 1]))
+        return self.extra_ids_RXJ[at], self.extra_probs_RXJ[at]
+
+    @property
+    def top_m(self) -> int:
+        """The experts stored per token and layer: the top-k, plus the extra ones."""
+        extra = 0 if self.extra_ids_RXJ is None else self.extra_ids_RXJ.shape[-1]
+        return int(self.routes_RXK.shape[-1]) + extra
 
     def tokens(self, row: int) -> list[int]:
         return self.token_ids_T[int(self.token_offsets[row]) : int(self.token_offsets[row + 1])].tolist()
@@ -85,11 +127,13 @@ def save_routes(
     data_sha256: str | None = None,
     probs: Sequence | None = None,
     probs_transform: str | None = None,
+    extra: tuple[Sequence, Sequence] | None = None,
 ) -> None:
     """Write a route file (atomically): row i sent ``token_ids[i]`` and came back with ``routes[i]``, an integer
     array ``[routes, layers, top_k]`` as the engine returns it (vLLM's ``routed_experts``; SGLang's decoded and
     reshaped, ``rpb.replay.engines.routes_from_sglang``). Every row's layer axis and top-k must agree. ``probs``:
-    each row's router probabilities at those experts (same shapes), under ``probs_transform``."""
+    each row's router probabilities at those experts (same shapes), under ``probs_transform``. ``extra``: with
+    ``probs``, each row's next experts by probability and their probabilities (``[routes, layers, J]`` each)."""
     arrays = [np.asarray(r) for r in routes]
     problems = []
     if probs is not None:
@@ -100,6 +144,15 @@ def save_routes(
         )
         if shapes_differ:
             problems.append("the probabilities' rows do not have the routes' shapes")
+    if extra is not None:
+        extra_ids, extra_probs = ([np.asarray(a) for a in part] for part in extra)
+        if probs is None:
+            problems.append("extra experts without the probabilities of the top-k (probs)")
+        lead = [a.shape[:2] for a in arrays]
+        if [a.shape[:2] for a in extra_ids] != lead or [p.shape for p in extra_probs] != [a.shape for a in extra_ids]:
+            problems.append("the extra experts' rows do not have the routes' [routes, layers] and each other's shape")
+        elif len({a.shape[2] for a in extra_ids}) > 1:
+            problems.append("rows disagree on the number of extra experts")
     if len(arrays) != len(token_ids):
         problems.append(f"{len(arrays)} rows of routes for {len(token_ids)} rows of token ids")
     shapes = {a.shape[1:] for a in arrays if a.ndim == 3}
@@ -136,7 +189,16 @@ def save_routes(
             np.concatenate([np.asarray(p, np.float32) for p in probs]) if probs else np.zeros((0, *width), np.float32)
         )
         meta["probs_transform"] = probs_transform
+    if extra is not None:
+        J = extra_ids[0].shape[2] if extra_ids else 0
+        tensors["extra_ids"] = torch.from_numpy(_stack(extra_ids, np.int16, (*width[:1], J)))
+        tensors["extra_probs"] = torch.from_numpy(_stack(extra_probs, np.float32, (*width[:1], J)))
+        meta["top_m"] = int(width[1] + J)
     atomic_save(tensors, {ROUTES_KEY: json.dumps(meta, sort_keys=True)}, path)
+
+
+def _stack(rows: list[np.ndarray], dtype, width: tuple) -> np.ndarray:
+    return np.concatenate([a.astype(dtype) for a in rows]) if rows else np.zeros((0, *width), dtype)
 
 
 def load_routes(path: str | Path) -> RouteFile:
@@ -158,15 +220,24 @@ def load_routes(path: str | Path) -> RouteFile:
     if problems:
         raise RouteFileError(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
     t = tensors
-    return RouteFile(t["routes"], t["token_ids"], t["route_offsets"], t["token_offsets"], meta, t.get("probs"))
+    return RouteFile(
+        t["routes"],
+        t["token_ids"],
+        t["route_offsets"],
+        t["token_offsets"],
+        meta,
+        t.get("probs"),
+        t.get("extra_ids"),
+        t.get("extra_probs"),
+    )
 
 
 def _layout_problems(meta, tensors: dict[str, torch.Tensor]) -> list[str]:
     problems = []
     if not isinstance(meta, dict) or meta.get("schema") != ROUTES_SCHEMA:
         return [f"metadata: schema is not {ROUTES_SCHEMA!r}"]
-    if meta.get("schema_version") != ROUTES_SCHEMA_VERSION:
-        problems.append(f"metadata: schema_version {meta.get('schema_version')!r}, expected {ROUTES_SCHEMA_VERSION}")
+    if meta.get("schema_version") not in READABLE_VERSIONS:
+        problems.append(f"metadata: schema_version {meta.get('schema_version')!r}, expected one of {READABLE_VERSIONS}")
     missing = [name for name in TENSORS if name not in tensors]
     if missing:
         return [*problems, f"missing tensor(s) {missing}"]
@@ -187,6 +258,28 @@ def _layout_problems(meta, tensors: dict[str, torch.Tensor]) -> list[str]:
             problems.append(f"probs: {probs.dtype} {tuple(probs.shape)}, expected float32 {tuple(routes.shape)}")
         if meta.get("probs_transform") is None:
             problems.append("metadata: probs without probs_transform")
+    problems += _extra_problems(meta, tensors)
     if tensors["route_offsets"].numel() != tensors["token_offsets"].numel():
         problems.append("route_offsets and token_offsets count different rows")
+    return problems
+
+
+def _extra_problems(meta: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Version 2's extra experts: both tensors or neither, beside the probabilities, ``[R, X, J]``, ``top_m``."""
+    ids, probs, routes = tensors.get("extra_ids"), tensors.get("extra_probs"), tensors["routes"]
+    if ids is None and probs is None:
+        return ["metadata: top_m without extra_ids"] if "top_m" in meta else []
+    if meta.get("schema_version") == 1:
+        return ["extra_ids / extra_probs in a version-1 file (they came with schema_version 2)"]
+    if ids is None or probs is None or tensors.get("probs") is None:
+        return ["extra_ids and extra_probs go together, beside probs"]
+    problems = []
+    if ids.dim() != 3 or ids.dtype != torch.int16 or ids.shape[:2] != routes.shape[:2]:
+        problems.append(
+            f"extra_ids: {ids.dtype} {tuple(ids.shape)}, expected int16 [{routes.shape[0]}, {routes.shape[1]}, J]"
+        )
+    elif probs.dtype != torch.float32 or probs.shape != ids.shape:
+        problems.append(f"extra_probs: {probs.dtype} {tuple(probs.shape)}, expected float32 {tuple(ids.shape)}")
+    elif meta.get("top_m") != routes.shape[2] + ids.shape[2]:
+        problems.append(f"metadata: top_m {meta.get('top_m')!r}, the file stores {routes.shape[2] + ids.shape[2]}")
     return problems

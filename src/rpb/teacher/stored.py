@@ -1,7 +1,8 @@
 """``anchor.base: routes``: the base's routing read from a route file made for exactly the training file.
 
 Shape legend: N = rows of the data file, R = every row's tokens back to back, L = MoE layers, K = top-k,
-B = rows of a batch, S = its positions, T = ``B * S``.
+J = the experts stored after the top-k (a version-2 file's ``--top-m`` minus K), B = rows of a batch, S = its
+positions, T = ``B * S``.
 
 The route file (``rpb.replay.routefile``) comes from ``rpb routes`` (an HF forward of the base; with
 ``--with-probs`` the router probabilities at the stored experts too) or from an engine (ids alone, as
@@ -42,7 +43,14 @@ class StoredRoutes:
     path: str
     engine: str | None
     #: the term's form the run uses (``anchor.routes_loss``, or the default for this file)
-    routes_loss: str = "set-ce"
+    routes_loss: str = "hinge"
+    #: the next experts by probability after the top-k, and their probabilities (None: the top-k alone)
+    extra_ids_RLJ: torch.Tensor | None = None
+    extra_probs_RLJ: torch.Tensor | None = None
+
+    @property
+    def top_m(self) -> int:
+        return int(self.ids_RLK.shape[-1]) + (0 if self.extra_ids_RLJ is None else int(self.extra_ids_RLJ.shape[-1]))
 
     def describe(self) -> dict:
         return {
@@ -51,15 +59,24 @@ class StoredRoutes:
             "engine": self.engine,
             "with_probs": self.probs_RLK is not None,
             "routes_loss": self.routes_loss,
-            "bytes": sum(t.numel() * t.element_size() for t in (self.ids_RLK, self.probs_RLK) if t is not None),
+            "top_m": self.top_m,
+            "bytes": sum(t.numel() * t.element_size() for t in self._tensors() if t is not None),
         }
+
+    def _tensors(self):
+        return (self.ids_RLK, self.probs_RLK, self.extra_ids_RLJ, self.extra_probs_RLJ)
 
     def step(self, sample_BT: torch.Tensor) -> BaseRouting:
         """The base's routes for a batch's tokens (padding tokens read row 0's first route: the anchor skips them)."""
         at_T = self.token_index(sample_BT.cpu()).reshape(-1)
         ids_LTK = self.ids_RLK[at_T].long().transpose(0, 1)
+        device = sample_BT.device
         probs_LTK = None if self.probs_RLK is None else self.probs_RLK[at_T].transpose(0, 1)
-        return BaseRouting(ids_LTK=ids_LTK.to(sample_BT.device), probs_LTK=_to(probs_LTK, sample_BT.device))
+        base = BaseRouting(ids_LTK=ids_LTK.to(device), probs_LTK=_to(probs_LTK, device))
+        if self.extra_ids_RLJ is not None:
+            base.extra_ids_LTJ = self.extra_ids_RLJ[at_T].long().transpose(0, 1).to(device)
+            base.extra_probs_LTJ = self.extra_probs_RLJ[at_T].transpose(0, 1).to(device)
+        return base
 
     def routes_BSLK(self, sample_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The base's top-k ids (and probabilities, or None) of a ``[B, S]`` batch's tokens, ``[B, S, L, K]``: what
@@ -67,6 +84,14 @@ class StoredRoutes:
         at_BS = self.token_index(sample_BS.cpu())
         probs = None if self.probs_RLK is None else self.probs_RLK[at_BS]
         return self.ids_RLK[at_BS].long(), probs
+
+    def extra_BSLJ(self, sample_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A ``--top-m`` file's extra experts of a ``[B, S]`` batch's tokens, ``(ids_BSLJ, probs_BSLJ)`` (None: the
+        file stores the top-k alone); the Megatron path's ``set_micro_batch(base_extra_BSLJ=...)``."""
+        if self.extra_ids_RLJ is None:
+            return None
+        at_BS = self.token_index(sample_BS.cpu())
+        return self.extra_ids_RLJ[at_BS].long(), self.extra_probs_RLJ[at_BS]
 
     def token_index(self, sample_BT: torch.Tensor) -> torch.Tensor:
         """Each token's place among the stored routes (``[B, S]``): its row's first token plus its position in the
@@ -111,7 +136,7 @@ def load_stored_routes(
     if routes_loss in ROUTES_LOSSES_WITH_PROBS and routes.probs_RXK is None:
         problems.append(
             f"{path}: anchor.routes_loss={routes_loss} reads the base's probabilities and the file has ids alone "
-            "(rpb routes --with-probs writes them; set-ce reads ids alone)"
+            "(rpb routes --with-probs writes them; hinge and set-ce read ids alone)"
         )
     model = SimpleNamespace(moe_layers=moe_layers, top_k=top_k, num_experts=num_experts, num_layers=num_layers)
     per_row: list[torch.Tensor] = []
@@ -136,10 +161,28 @@ def load_stored_routes(
         width = routes.probs_RXK.shape[1]
         keep = moe_layers if width == num_layers else list(range(width))
         probs_RLK = torch.cat([routes.probs(ex.index)[:, keep] for ex in data.examples])
+    extra = _extra(routes, data, moe_layers, num_layers, num_experts, path)
     lengths = torch.tensor([len(ex) for ex in data.examples], dtype=torch.int64)
     offsets_N = torch.cumsum(lengths, 0) - lengths
     form = routes_loss_form(routes_loss, probs_RLK is not None)
-    return StoredRoutes(ids_RLK, probs_RLK, offsets_N, str(path), routes.metadata.get("engine"), form)
+    return StoredRoutes(ids_RLK, probs_RLK, offsets_N, str(path), routes.metadata.get("engine"), form, *extra)
+
+
+def _extra(routes: RouteFile, data: LabelledData, moe_layers, num_layers: int, num_experts: int, path):
+    """A version-2 file's extra experts over the MoE layers, every row back to back (``(None, None)``: none)."""
+    if routes.extra_ids_RXJ is None:
+        return None, None
+    width = routes.extra_ids_RXJ.shape[1]
+    keep = moe_layers if width == num_layers else list(range(width))
+    parts = [routes.extra(ex.index) for ex in data.examples]
+    ids_RLJ = torch.cat([ids[:, keep] for ids, _ in parts])
+    probs_RLJ = torch.cat([probs[:, keep] for _, probs in parts])
+    if ids_RLJ.numel() and not (int(ids_RLJ.min()) >= 0 and int(ids_RLJ.max()) < num_experts):
+        raise mismatch(
+            f"anchor.routes={path}: extra_ids outside the model's {num_experts} experts",
+            [f"{path}: extra_ids run from {int(ids_RLJ.min())} to {int(ids_RLJ.max())}"],
+        )
+    return ids_RLJ, probs_RLJ
 
 
 def file_problems(routes: RouteFile, data: LabelledData, fingerprint: str, transform: str, path) -> list[str]:

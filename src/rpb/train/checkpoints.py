@@ -52,9 +52,9 @@ def run_record(
     }
 
 
-#: a checkpoint's record of anchor.routes_loss left unset: the default forms (bucket with probabilities, set-ce with
-#: ids alone)
-ROUTES_DEFAULT = "default: bucket with probabilities, set-ce with ids alone"
+#: how checkpoints written while ids alone defaulted to set-ce recorded anchor.routes_loss left unset; a checkpoint
+#: now records the default it resolved for its file (``default: bucket`` or ``default: hinge``)
+ROUTES_DEFAULT_BEFORE_HINGE = "default: bucket with probabilities, set-ce with ids alone"
 #: the anchor fields only routing-kd and output-kd read (``rpb.teacher``)
 TEACHER_FIELDS = ("base", "routes", "base_dtype", "trained_base", "routes_loss")
 
@@ -78,10 +78,30 @@ def _method_record(anchor) -> dict:
     if record.get("base") == "routes":
         # the stored-routes form by name, its default included: a checkpoint written before the bucket form became
         # the default for files with probabilities has none, and is not resumed under another term
-        record["routes_loss"] = anchor.routes_loss or ROUTES_DEFAULT
+        record["routes_loss"] = anchor.routes_loss or f"default: {_default_form(anchor.routes)}"
     else:
         record.pop("routes_loss", None)
     return record
+
+
+def _default_form(routes: str) -> str:
+    """The form ``anchor.routes_loss`` left unset gives the route file: ``bucket`` where it holds probabilities,
+    ``hinge`` where it holds ids alone (its header read, not its tensors)."""
+    from safetensors import safe_open
+
+    from rpb.losses import routes_loss_form
+
+    with safe_open(str(routes), framework="pt") as f:
+        return routes_loss_form(None, "probs" in set(f.keys()))
+
+
+def _as_now(saved: dict, record: dict) -> dict:
+    """A checkpoint's method record read as today's: ``ROUTES_DEFAULT_BEFORE_HINGE`` meant bucket for a file with
+    probabilities and set-ce for ids alone, and the record pins the file, so today's resolved default says which."""
+    if saved.get("routes_loss") != ROUTES_DEFAULT_BEFORE_HINGE:
+        return saved
+    then = "default: bucket" if record.get("routes_loss") == "default: bucket" else "default: set-ce"
+    return {**saved, "routes_loss": then}
 
 
 class CompleteMarker(TrainerCallback):
@@ -123,6 +143,8 @@ def resolve_resume(output_dir: str | Path, spec: str | None, record: dict) -> st
                 "interrupted while it was written); use `auto` to take the newest complete one"
             )
     saved = json.loads((path / MARKER).read_text())
+    if "method" in saved:
+        saved["method"] = _as_now(saved["method"], record["method"])
     mismatches = [
         (f"{section}.{key}", saved.get(section, {}).get(key), value)
         for section in ("base", "prior", "data", "method", "lora")

@@ -48,8 +48,9 @@ class RoutingFigures:
     def report(self) -> dict[str, torch.Tensor]:
         """This micro-batch's figures as ``[numerator, denominator]`` pairs, which Bridge sums over
         micro-batches and data-parallel ranks before dividing: ``moe/layer_{i}/bias_changed_fraction``
-        (prior methods), ``base_topk_overlap_current_hidden`` (methods with a base router) and
-        ``anchor_loss`` (loss methods), and ``moe/mean/...`` over layers. Load, dead experts and
+        (prior methods), ``base_topk_overlap_current_hidden`` (methods with a base router),
+        ``anchor_loss`` (loss methods) and ``routes_hinge_active`` (routing-kd's ids-alone hinge), and
+        ``moe/mean/...`` over layers. Load, dead experts and
         entropy are not ratios of sums, so Bridge's reduction cannot carry them; they are HF-path only."""
         ctx = self._context
         if ctx is None:
@@ -81,6 +82,13 @@ class RoutingFigures:
             if terms:
                 mean = torch.stack([out[f"{names[p]}/anchor_loss"][0] for p, _ in terms]).mean()
                 out["moe/mean/anchor_loss"] = torch.stack([mean, torch.ones_like(mean)])
+        # the ids-alone hinge's active rows: counted on the whole micro-batch's rows (gathered under sequence
+        # parallelism), so not summed over the TP group
+        hinge = {pos: ctx.cache[("hinge", pos)] for pos in sorted(rows) if ("hinge", pos) in ctx.cache}
+        for pos, pair in hinge.items():
+            out[f"{names[pos]}/routes_hinge_active"] = pair.float()
+        if hinge:
+            out["moe/mean/routes_hinge_active"] = torch.stack(list(hinge.values())).sum(0).float()
         return out
 
     def _sum_over_tp(self, x: torch.Tensor) -> torch.Tensor:

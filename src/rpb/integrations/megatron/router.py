@@ -91,7 +91,7 @@ from torch import nn
 
 from rpb.anchors.config import AnchorConfig
 from rpb.anchors.context import TokenContext
-from rpb.anchors.methods import Method, RouterState
+from rpb.anchors.methods import Method, RouterState, take_stored
 from rpb.anchors.prior_routing import PriorRouting
 from rpb.errors import RpbError
 from rpb.integrations.megatron.figures import RoutingFigures
@@ -99,7 +99,9 @@ from rpb.integrations.megatron.layout import router_rows
 
 # topk_routing_function is re-exported: install.py imports it from here
 from rpb.integrations.megatron.topk_hook import forced_topk, megatron_select, topk_routing_function  # noqa: F401
+from rpb.losses import routes_loss_form
 from rpb.prior import STRUCTURAL, family_transform
+from rpb.routing import RouterSpec
 from rpb.teacher.routing import BaseRouting
 
 
@@ -131,6 +133,23 @@ class MegatronRouter:
     def hf_layer_index(self) -> int:
         """The 0-based decoder-layer index (Megatron numbers layers from 1)."""
         return self.layer_number - 1
+
+    def selection_spec(self) -> RouterSpec:
+        """The router's selection rule as ``rpb.routing`` states it (what the ids-alone hinge reads). Megatron
+        scores a group by the sum of its ``topk / group_topk`` best experts: DeepSeek-V3's top-2 sum at top-8 of 4
+        groups; another count the hinge cannot state, and it is refused by name."""
+        m, c = self.module, self.module.config
+        groups, group_topk = c.moe_router_num_groups or 1, c.moe_router_group_topk or 1
+        scoring = None
+        if groups > 1:
+            if m.topk // group_topk != 2:
+                raise MegatronAnchorError(
+                    f"router {self.name}: groups scored by their {m.topk // group_topk} best experts (topk "
+                    f"{m.topk} / moe_router_group_topk {group_topk}); anchor.routes_loss=hinge states the top-2 sum "
+                    "alone: use set-ce, or routes with probabilities (bucket)"
+                )
+            scoring = "top2-sum"
+        return RouterSpec(m.score_function, m.topk, int(m.weight.shape[0]), scoring, groups, group_topk)
 
     def base_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The base copies on ``device`` (``gating`` may move the weights to CUDA after install)."""
@@ -170,6 +189,7 @@ class MegatronAnchorHandle(RoutingFigures):
         span_BS: torch.Tensor,
         base_ids_BSLK: torch.Tensor | None = None,
         base_probs_BSLK: torch.Tensor | None = None,
+        base_extra_BSLJ: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> TokenContext:
         """Set the (sample, span) of every token of the micro-batch about to run forward.
 
@@ -179,7 +199,8 @@ class MegatronAnchorHandle(RoutingFigures):
         routers see their rows. The context stays set -- through backward and any
         recomputation -- until the next call or ``clear()``; the anchor's loss terms of the
         micro-batch live in it. ``routing-kd`` also takes the base's stored routes of these tokens
-        (``base_ids_BSLK``, and ``base_probs_BSLK`` where the route file holds probabilities).
+        (``base_ids_BSLK``, and ``base_probs_BSLK`` where the route file holds probabilities; with a ``--top-m``
+        file, ``base_extra_BSLJ``, the extra experts' ids and probabilities: ``StoredRoutes.extra_BSLJ``).
         """
         if sample_BS.shape != span_BS.shape:
             raise ValueError(f"sample index {tuple(sample_BS.shape)} and span {tuple(span_BS.shape)} differ in shape")
@@ -189,10 +210,10 @@ class MegatronAnchorHandle(RoutingFigures):
         span_T = torch.where(valid_T, span_T, torch.full_like(span_T, STRUCTURAL))
         self._context = TokenContext(sample_T, span_T, valid_T)
         if self.method.teacher == "routing":
-            self._context.base = self._base_rows(sample_BS, base_ids_BSLK, base_probs_BSLK)
+            self._context.base = self._base_rows(sample_BS, base_ids_BSLK, base_probs_BSLK, base_extra_BSLJ)
         return self._context
 
-    def _base_rows(self, sample_BS, ids_BSLK, probs_BSLK) -> BaseRouting:
+    def _base_rows(self, sample_BS, ids_BSLK, probs_BSLK, extra_BSLJ=None) -> BaseRouting:
         """The base's stored routes laid out as the routers' rows (the whole micro-batch's under sequence
         parallelism, where the term reads the gathered rows)."""
         if ids_BSLK is None:
@@ -200,7 +221,7 @@ class MegatronAnchorHandle(RoutingFigures):
                 f"{self.method.name}: the micro-batch has no base routes; pass base_ids_BSLK (and base_probs_BSLK) "
                 "to set_micro_batch, read from the route file (rpb.teacher.StoredRoutes.routes_BSLK)"
             )
-        B, S, L, K = ids_BSLK.shape
+        B, S, L, _ = ids_BSLK.shape
         if tuple(sample_BS.shape) != (B, S) or len(self.routers) != L:
             raise RuntimeError(
                 f"{self.method.name}: base routes of shape {tuple(ids_BSLK.shape)} for a micro-batch "
@@ -208,24 +229,36 @@ class MegatronAnchorHandle(RoutingFigures):
             )
         tp_rank, tp_size = (0, 1) if self._split else (self.tp_rank, self.tp_size)
 
-        def rows(x_BSLK):  # [B, S, L, K] -> [L, T, K] in router row order
+        def rows(x_BSLK):  # [B, S, L, K] -> [L, T, K] in router row order (any width K)
             per = [
-                torch.stack([router_rows(x_BSLK[:, :, pos, k], tp_rank, tp_size, False) for k in range(K)], -1)
+                torch.stack(
+                    [router_rows(x_BSLK[:, :, pos, k], tp_rank, tp_size, False) for k in range(x_BSLK.shape[-1])], -1
+                )
                 for pos in range(L)
             ]
             return torch.stack(per)
 
         probs = None if probs_BSLK is None else rows(probs_BSLK.float())
-        return BaseRouting(ids_LTK=rows(ids_BSLK.long()), probs_LTK=probs)
+        base = BaseRouting(ids_LTK=rows(ids_BSLK.long()), probs_LTK=probs)
+        if extra_BSLJ is not None:
+            base.extra_ids_LTJ, base.extra_probs_LTJ = rows(extra_BSLJ[0].long()), rows(extra_BSLJ[1].float())
+        return base
 
     def clear(self) -> None:
         self._context = None
         self._inputs = {}
 
     @contextlib.contextmanager
-    def step(self, sample_BS: torch.Tensor, span_BS: torch.Tensor, base_ids_BSLK=None, base_probs_BSLK=None):
+    def step(
+        self,
+        sample_BS: torch.Tensor,
+        span_BS: torch.Tensor,
+        base_ids_BSLK=None,
+        base_probs_BSLK=None,
+        base_extra_BSLJ=None,
+    ):
         """``set_micro_batch`` for a block that holds forward *and* backward; clears on exit."""
-        ctx = self.set_micro_batch(sample_BS, span_BS, base_ids_BSLK, base_probs_BSLK)
+        ctx = self.set_micro_batch(sample_BS, span_BS, base_ids_BSLK, base_probs_BSLK, base_extra_BSLJ)
         try:
             yield ctx
         finally:
@@ -336,16 +369,18 @@ class MegatronAnchorHandle(RoutingFigures):
         state.logits_TE, state.valid_T = parts[0], valid_T
         state.base_logits_TE = parts[1] if len(parts) > 1 else None
         if "base_routing" in anchor.reads:
-            base = ctx.base
-            state.routing_ids_TK = base.ids_LTK[r.pos].to(logits_TE.device)
-            state.routing_probs_TK = None if base.probs_LTK is None else base.probs_LTK[r.pos].to(logits_TE.device)
-            state.routes_loss = self.config.routes_loss
+            take_stored(state, ctx.base, r.pos, logits_TE.device, self.config.routes_loss)
+            if routes_loss_form(self.config.routes_loss, ctx.base.probs_LTK is not None) == "hinge":
+                state.spec, state.expert_bias_E = r.selection_spec(), r.module.expert_bias
         # every rank computed the whole term; each contributes 1 / tp (module doc)
         term = self._share(anchor.term(state))
         # computed on every call, so a recomputed forward saves exactly what the first one did
         # (non-reentrant checkpointing checks that); only the first call's term is kept
         if first_call:
             ctx.cache[("term", r.pos)] = term
+            if state.active_T is not None:  # the ids-alone hinge: where it is active, of the rows it counts
+                active = [float(state.active_T.sum()), float((state.valid_T > 0).sum())]
+                ctx.cache[("hinge", r.pos)] = torch.tensor(active, dtype=torch.float64)
 
     def _check_rows(self, r: MegatronRouter, num_rows: int, ctx: TokenContext) -> None:
         if num_rows != ctx.num_tokens:

@@ -75,6 +75,9 @@ OUTPUT_KD_WEIGHTS = (0.01, 0.1, 1.0)
 KL_WEIGHT = 0.01
 #: the selection of the stored-routes arm (its own weight; the online arm's is ``routing-kd``'s)
 ROUTES_SELECTION = "routing-kd-routes"
+#: the stored-routes arm's anchor: ids alone, under the form it ran with (set-ce, the ids-alone default until the
+#: hinge replaced it), named so that the shipped cells keep meaning what they ran
+STORED_ANCHOR = (("base", "routes"), ("routes_loss", "set-ce"))
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class HoldArm(Arm):
 HOLD_ARMS = (
     HoldArm("sft", "sft"),
     HoldArm("routing-kd", "routing-kd"),
-    HoldArm("routing-kd routes", "routing-kd", (("base", "routes"),), selection=ROUTES_SELECTION),
+    HoldArm("routing-kd routes", "routing-kd", STORED_ANCHOR, selection=ROUTES_SELECTION),
     HoldArm("output-kd", "output-kd"),
     HoldArm("kl-to-base", "kl-to-base"),
     HoldArm("mix", "sft", mix=MIX_SHARE),
@@ -118,7 +121,7 @@ class HoldStudy(PairedStudy):
 
     def selection_arm(self, key: str) -> Arm:
         if key == ROUTES_SELECTION:
-            return HoldArm(ROUTES_SELECTION, "routing-kd", (("base", "routes"),), selection=ROUTES_SELECTION)
+            return HoldArm(ROUTES_SELECTION, "routing-kd", STORED_ANCHOR, selection=ROUTES_SELECTION)
         return super().selection_arm(key)
 
     def paired_cell(self, post_set: str, arm: Arm, seed: int) -> Path | None:
