@@ -203,6 +203,15 @@ def routing_kd_hinge(
     return _masked_mean_T(term_T, valid_T), (term_T > 0) & (valid_T > 0)
 
 
+def hidden_kd(hidden_TH: torch.Tensor, base_hidden_TH: torch.Tensor, valid_T: torch.Tensor) -> torch.Tensor:
+    """``hidden-kd``'s term at one MoE layer: the mean over the counted tokens of ||h - h_base||^2 over the mean of
+    ||h_base||^2, h the router's input in the model's forward and h_base the base's at the same router in its own
+    forward: the drift of the hidden states relative to their size, with no routing in it."""
+    h_TH = hidden_TH.reshape(-1, hidden_TH.shape[-1]).float()
+    drift = _masked_mean_T((h_TH - base_hidden_TH.float()).pow(2).sum(-1), valid_T)
+    return drift / _masked_mean_T(base_hidden_TH.float().pow(2).sum(-1), valid_T).clamp_min(1e-30)
+
+
 def output_kd(logits_BTV: torch.Tensor, base_logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
     """``output-kd``: mean over the language-model loss's tokens of KL(base next-token distribution || the model's).
     Position t predicts token t + 1, so it counts where ``labels_BT[:, t + 1]`` is not -100 (the tokens the

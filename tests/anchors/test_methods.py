@@ -30,7 +30,7 @@ def test_needs_are_derived_from_each_entry():
     assert {m for m, e in METHODS.items() if e.needs_base_router} == {"router-l2", "kl-to-base", "logit-l2"}
     assert {m for m, e in METHODS.items() if e.needs_base_logits} == {"kl-to-base", "logit-l2"}
     assert {m for m, e in METHODS.items() if e.needs_communities} == {"within-soft", "within-hard", *transition}
-    teachers = {"routing-kd": "routing", "output-kd": "output"}
+    teachers = {"routing-kd": "routing", "output-kd": "output", "routing-kd-router": "routing", "hidden-kd": "routing"}
     assert {m for m, e in METHODS.items() if not e.in_paper} == transition | set(teachers)
     assert {m: e.teacher for m, e in METHODS.items() if e.teacher} == teachers
     assert {m: e.coefficient for m, e in METHODS.items() if e.coefficient} == {
@@ -40,6 +40,8 @@ def test_needs_are_derived_from_each_entry():
         "logit-l2": "lambda_",
         "routing-kd": "lambda_",
         "output-kd": "lambda_",
+        "routing-kd-router": "lambda_",
+        "hidden-kd": "lambda_",
     }
     assert get_method("routing-kd").loss.from_forward and get_method("output-kd").loss is None
     assert not get_method("router-l2").loss.from_forward and get_method("lbl").loss.from_forward

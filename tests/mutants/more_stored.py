@@ -1,4 +1,5 @@
-"""Mutants of issue 75: routing-kd's stored-routes forms (the bucket that is 0 at the base); joined into
+"""Mutants of issue 75: routing-kd's stored-routes forms (the bucket and the hinge, 0 at the base; --top-m) and the two
+controls of why it holds; joined into
 ``tests.mutants.catalogue.MUTANTS``."""
 
 from __future__ import annotations
@@ -77,5 +78,30 @@ MUTANTS += (
         pattern=r"outside_BPLE = probs_BPLE\.scatter\(-1, routes_BPLK, -1\.0\)",
         replacement="outside_BPLE = probs_BPLE",
         tests=(f"{HF_ROUTES}::test_with_probs_stores_the_routers_probabilities_at_the_routed_experts",),
+    ),
+)
+
+CONTROLS = "tests/teacher/test_controls.py"
+
+MUTANTS += (
+    Mutant(
+        name="router_only_input_not_detached",
+        story="the router-only control computes its logits on the router's input with its graph: its gradient "
+        "reaches every layer below, so it is routing-kd again and controls nothing",
+        path="anchors/handle.py",
+        function="AnchorHandle._loss_term",
+        pattern=r"hidden_TH = hidden\.reshape\(-1, hidden\.shape\[-1\]\)\.detach\(\)\.float\(\)",
+        replacement="hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()",
+        tests=(f"{CONTROLS}::test_router_only_is_routing_kds_term_with_its_gradient_on_the_routers_alone",),
+    ),
+    Mutant(
+        name="hidden_kd_not_relative",
+        story="hidden-kd's drift is not divided by the base's hidden-state size: its scale, and what a λ means, "
+        "follow each model's activation norms",
+        path="losses.py",
+        function="hidden_kd",
+        pattern=r"return drift / _masked_mean_T",
+        replacement="return drift + 0 * _masked_mean_T",
+        tests=(f"{CONTROLS}::test_hidden_kd_is_the_relative_drift_of_each_routers_input_from_the_bases",),
     ),
 )

@@ -109,6 +109,11 @@ class AnchorConfig:
             out += [f"anchor.{f}: read only by routing-kd and output-kd, not by {self.method!r}" for f in unused]
             return out
         if self.base == "routes":
+            if self.method == "hidden-kd":
+                out.append(
+                    "anchor.base=routes: hidden-kd holds the routers' inputs to the base's, which a route file does "
+                    "not hold; use anchor.base=online"
+                )
             if teacher == "output":
                 out.append(
                     "anchor.base=routes: output-kd needs the base's next-token distribution, which a route file does "

@@ -139,6 +139,8 @@ class AnchorHandle:
             return None
         if hasattr(self.teacher, "offsets_N"):  # stored routes: the rows and positions say which
             return self.teacher.step(sample_BT)
+        if self.method.loss is not None and "base_hidden" in self.method.loss.reads:  # hidden-kd
+            return self.teacher.step(inputs, hidden=True)
         return self.teacher.step(inputs)
 
     def loss(self) -> torch.Tensor:
@@ -241,12 +243,19 @@ class AnchorHandle:
         """``(term, active_T)``: the layer's term, and the tokens where a term that says so is active."""
         reads = self.method.loss.reads
         state = RouterState(layer.spec.score_function, layer.spec.top_k, self.router_transform)
-        if reads & {"logits", "base_logits"}:
+        if reads & {"logits", "base_logits", "hidden"}:
             state.logits_TE, state.valid_T = logits_TE, valid_T
+        if "detached_logits" in reads:  # the router-only control: the router's own weights on its input, detached
+            bias = getattr(module, self.facts.router_bias) if self.facts.router_bias else None
+            hidden_TH = hidden.reshape(-1, hidden.shape[-1]).detach().float()
+            state.logits_TE = nn.functional.linear(hidden_TH, module.weight.float(), _float(bias))
+            state.valid_T = valid_T
+        if "hidden" in reads:
+            state.hidden_TH = hidden.reshape(-1, hidden.shape[-1])
         if "base_logits" in reads:
             hidden_TH = hidden.reshape(-1, hidden.shape[-1]).float()
             state.base_logits_TE = layer.base_logits(hidden_TH)
-        if "base_routing" in reads:
+        if reads & {"base_routing", "base_hidden"}:
             self._base_routing_into(state, layer, logits_TE)
             state.spec, state.expert_bias_E = layer.spec, layer.expert_bias_E
         if "weights" in reads:
@@ -271,6 +280,13 @@ class AnchorHandle:
                 f"saw {logits_TE.shape[0]}: it was made for another batch"
             )
         device = logits_TE.device
+        if "base_hidden" in self.method.loss.reads:
+            if base.hidden_LTH is None:
+                raise RuntimeError(
+                    f"{self.method.name}: the base's routing of this step carries no hidden states; the online "
+                    "base gives them (handle.base_routing asks for them), stored routes cannot"
+                )
+            state.base_hidden_TH = base.hidden_LTH[pos].to(device)
         if base.logits_LTE is not None:
             state.routing_logits_TE = base.logits_LTE[pos].to(device)
         else:
@@ -336,6 +352,10 @@ class AnchorHandle:
         self._restore = []
 
 
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
 def install_anchor(
     model: nn.Module,
     config: AnchorConfig,
@@ -362,6 +382,11 @@ def install_anchor(
             f"method {method.name!r} constrains the router weights, but no router of this model can train "
             "(frozen, or outside the LoRA targets): it would add a constant. Train the routers (LoRA on the "
             "router, or the router in full), or use kl-to-base / logit-l2, which act through the layers below"
+        )
+    if method.loss is not None and "detached_logits" in method.loss.reads and not any(m.trainable for m in moe_layers):
+        raise ArgumentError(
+            f"method {method.name!r} sends its gradient to the routers' weights alone, and no router of this model "
+            "can train (under LoRA the routers are frozen): it would train nothing. Use it under full fine-tuning"
         )
     layers = []
     for m in moe_layers:

@@ -17,6 +17,8 @@
 | `within-transition-hard` | `rpb-hard` on the prior shuffled within base transition communities (rpb's own) | prior |
 | `routing-kd` | + `lambda` × mean KL(q_base ‖ p) over tokens, layers; q_base: base's own forward | `lambda`, base |
 | `output-kd` | + `lambda` × mean KL(base next-token distribution ‖ model's) over the loss's tokens | `lambda`, base |
+| `routing-kd-router` | `routing-kd`, router input detached: gradient to the routers alone (control) | `lambda`, base |
+| `hidden-kd` | + `lambda` × mean ‖h − h_base‖² / mean ‖h_base‖² at each MoE router's input (control) | `lambda`, base |
 
 (``methods_table()`` renders this table from ``METHODS``; a test keeps it, and docs/methods.md's, in step.)
 
@@ -41,7 +43,7 @@ from rpb.errors import ArgumentError
 from rpb.routing import RouterSpec
 
 #: what a loss term may read of a router in one step (``RouterState``'s fields)
-LossInput = Literal["logits", "base_logits", "weights", "base_routing"]
+LossInput = Literal["logits", "base_logits", "weights", "base_routing", "detached_logits", "hidden", "base_hidden"]
 
 
 @dataclass
@@ -54,7 +56,8 @@ class RouterState:
     The base's own routing of the same tokens (``rpb.teacher``), on the base's own hidden states:
     ``routing_logits_TE`` (online: the base router's logits in the base's forward) or
     ``routing_ids_TK`` with ``routing_probs_TK`` (stored routes: its top-k, and its probabilities
-    there or None).
+    there or None). ``hidden_TH`` is the router's input in the model's forward (with its graph) and
+    ``base_hidden_TH`` the base's at the same router in the base's own forward (``hidden-kd``).
     """
 
     score_function: str
@@ -71,6 +74,8 @@ class RouterState:
     #: stored routes of a ``--top-m`` file: the next experts by probability after the top-k, and their probabilities
     routing_extra_ids_TJ: torch.Tensor | None = None
     routing_extra_probs_TJ: torch.Tensor | None = None
+    hidden_TH: torch.Tensor | None = None
+    base_hidden_TH: torch.Tensor | None = None
     #: the router's selection rule and expert-correction bias (stored routes: the ids-alone hinge reads them)
     spec: RouterSpec | None = None
     expert_bias_E: torch.Tensor | None = None
@@ -90,7 +95,12 @@ class LossAnchor:
     @property
     def from_forward(self) -> bool:
         """The term needs the step's forward (its logits), not the router's weights alone."""
-        return bool(self.reads & {"logits", "base_logits", "base_routing"})
+        return bool(self.reads & {"logits", "base_logits", "base_routing", "detached_logits", "hidden"})
+
+    @property
+    def reads_base(self) -> bool:
+        """The term reads what the base's own forward (or its stored routes) gives."""
+        return bool(self.reads & {"base_routing", "base_hidden"})
 
 
 @dataclass(frozen=True)
@@ -199,6 +209,12 @@ def take_stored(state: RouterState, base, pos: int, device, routes_loss: str | N
     state.routes_loss = routes_loss
 
 
+#: the two controls of why routing-kd holds (docs/methods.md): the same KL with the router's input detached, so
+#: that only the routers' weights take its gradient; and a hold on the routers' inputs themselves, no routing in it
+ROUTING_KD_ROUTER = LossAnchor(_routing_kd, frozenset({"detached_logits", "base_routing"}))
+HIDDEN_KD = LossAnchor(
+    lambda s: losses.hidden_kd(s.hidden_TH, s.base_hidden_TH, s.valid_T), frozenset({"hidden", "base_hidden"})
+)
 LOGIT_L2 = LossAnchor(
     lambda s: losses.logit_l2(s.logits_TE, s.base_logits_TE, s.valid_T), frozenset({"logits", "base_logits"})
 )
@@ -213,8 +229,8 @@ def register_method(method: Method, *, overwrite: bool = False) -> Method:
         problems.append(f"method {method.name!r} exists; pass overwrite=True to replace it")
     if (method.loss is None and method.teacher != "output") != (method.coefficient is None):
         problems.append(f"method {method.name!r}: a loss and its coefficient go together (or the output teacher's)")
-    if method.loss is not None and "base_routing" in method.loss.reads and method.teacher != "routing":
-        problems.append(f"method {method.name!r}: a loss reading the base's routing needs teacher='routing'")
+    if method.loss is not None and method.loss.reads_base and method.teacher != "routing":
+        problems.append(f"method {method.name!r}: a loss reading the base's forward needs teacher='routing'")
     if method.weights and method.coefficient is None:
         problems.append(f"method {method.name!r}: weights to search need a coefficient")
     if method.shuffle is not None and method.selection is None:
@@ -279,6 +295,16 @@ for _method in (
     Method(
         "output-kd", "+ `lambda` × mean KL(base next-token distribution ‖ model's) over the loss's tokens",
         coefficient="lambda_", weights=(0.01, 0.1, 1.0), in_paper=False, teacher="output",
+    ),
+    Method(
+        "routing-kd-router", "`routing-kd`, router input detached: gradient to the routers alone (control)",
+        loss=ROUTING_KD_ROUTER, coefficient="lambda_", weights=(0.01, 0.1, 1.0, 10.0),
+        in_paper=False, teacher="routing",
+    ),
+    Method(
+        "hidden-kd", "+ `lambda` × mean ‖h − h_base‖² / mean ‖h_base‖² at each MoE router's input (control)",
+        loss=HIDDEN_KD, coefficient="lambda_", weights=(0.01, 0.1, 1.0, 10.0), in_paper=False,
+        teacher="routing",
     ),
 ):  # fmt: skip
     register_method(_method)

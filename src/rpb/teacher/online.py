@@ -87,16 +87,17 @@ class OnlineBase:
         return out
 
     @torch.no_grad()
-    def step(self, inputs: dict) -> BaseRouting:
-        """The base's routing (and, with ``outputs``, its next-token logits) on the batch ``inputs``."""
+    def step(self, inputs: dict, hidden: bool = False) -> BaseRouting:
+        """The base's routing (and, with ``outputs``, its next-token logits; with ``hidden``, each router's input,
+        for ``hidden-kd``) on the batch ``inputs``."""
         kwargs = {k: inputs[k] for k in FORWARD_KEYS if inputs.get(k) is not None}
         device = kwargs["input_ids"].device
         with self._base_mode(device) as model:
             layers = find_moe_layers(model, self.facts)  # the routers that run with the adapters off
-            capture = RouterCapture(layers, stop_early=not self.outputs)
+            capture = RouterCapture(layers, stop_early=not self.outputs, hidden=hidden)
             logits_LTE, out = capture.run(lambda: model(**kwargs, use_cache=False))
         output_BTV = out.logits.float() if self.outputs else None
-        return BaseRouting(logits_LTE=logits_LTE, output_BTV=output_BTV)
+        return BaseRouting(logits_LTE=logits_LTE, output_BTV=output_BTV, hidden_LTH=capture.hidden_LTH)
 
     @contextlib.contextmanager
     def _base_mode(self, device: torch.device):

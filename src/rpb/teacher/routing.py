@@ -27,6 +27,8 @@ class BaseRouting:
     output_BTV: torch.Tensor | None = None
     extra_ids_LTJ: torch.Tensor | None = None
     extra_probs_LTJ: torch.Tensor | None = None
+    #: each MoE router's input in the base's forward, float32 (``hidden-kd``; None unless asked for)
+    hidden_LTH: list[torch.Tensor] | None = None
     #: the tokens whose base routing is known (None: every one; GRPO's reference routing: the completions')
     known_T: torch.Tensor | None = None
 
@@ -39,6 +41,7 @@ class BaseRouting:
         return int(self.logits_LTE[0].shape[0] if self.logits_LTE is not None else self.ids_LTK.shape[1])
 
     def nbytes(self) -> int:
-        tensors = [*(self.logits_LTE or ()), self.ids_LTK, self.probs_LTK, self.output_BTV, self.extra_ids_LTJ]
+        tensors = [*(self.logits_LTE or ()), *(self.hidden_LTH or ()), self.ids_LTK, self.probs_LTK, self.output_BTV]
+        tensors.append(self.extra_ids_LTJ)
         tensors.append(self.extra_probs_LTJ)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)

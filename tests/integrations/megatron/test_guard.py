@@ -141,7 +141,10 @@ SELECTING = (
     "rpb", "rpb-hard", "within-soft", "within-hard", "global-hard", "within-transition-soft", "within-transition-hard",
 )  # fmt: skip
 #: these keep Megatron's selection (the replayed one, under replay); the loss terms read the live logits
-KEEPING = ("sft", "lbl", "router-l2", "kl-to-base", "logit-l2", "router-freeze", "routing-kd", "output-kd")
+KEEPING = (
+    "sft", "lbl", "router-l2", "kl-to-base", "logit-l2", "router-freeze", "routing-kd", "output-kd",
+    "routing-kd-router", "hidden-kd",
+)  # fmt: skip
 
 
 def test_every_method_is_decided_for_routing_replay():

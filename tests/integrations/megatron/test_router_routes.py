@@ -79,6 +79,9 @@ def test_the_online_base_and_output_kd_are_refused_on_megatron_and_routes_are_as
     with pytest.raises(RuntimeError, match="pass base_ids_BSLK"):
         handle.set_micro_batch(SAMPLE_BS, SPAN_BS)
     handle.remove()
+    with pytest.raises(MegatronAnchorError, match="routing-kd-router on Megatron-Core: a control of why"):
+        install_megatron_anchor(routers, AnchorConfig(method="routing-kd-router", lambda_=1.0, base="routes",
+                                                      routes="stored.safetensors"))  # fmt: skip
 
 
 def hand_hinge(s_E: list[float], base: set[int], groups: int, group_topk: int) -> float:

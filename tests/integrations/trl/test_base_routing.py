@@ -155,6 +155,7 @@ def test_without_beta_under_lora_the_policy_with_adapters_off_is_the_base(tok, s
         ("routing-kd", "routes", {"beta": 0.1}, "the completions are generated; use anchor.base=online"),
         ("routing-kd", "online", {"beta": 0.1, "sync_ref_model": True}, "set sync_ref_model=False"),
         ("routing-kd", "online", {}, "no reference forward runs, so the base must be given"),
+        ("hidden-kd", "online", {"beta": 0.1}, "hidden-kd in GRPO: a control of why routing-kd holds"),
     ],
 )
 def test_what_grpo_cannot_serve_is_refused_by_name(method, base, overrides, message, tok, save_tiny, tmp_path):

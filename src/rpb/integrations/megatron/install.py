@@ -112,6 +112,11 @@ def _install_problems(routers: list[MegatronRouter], method: Method, config: Anc
             f"{method.name} on Megatron-Core: the base's next-token distribution needs a second model's forward, "
             "which this integration does not run"
         )
+    elif method.loss is not None and method.loss.reads & {"detached_logits", "hidden"}:
+        out.append(
+            f"{method.name} on Megatron-Core: a control of why routing-kd holds, built on the Hugging Face path only; "
+            "use routing-kd"
+        )
     elif method.teacher == "routing" and config.base != "routes":
         out.append(
             f"{method.name} with anchor.base={config.base} on Megatron-Core: the online base (a second model's "

@@ -45,6 +45,11 @@ def teacher_problems(args, anchor, model, peft_config=None) -> list[str]:
             "distribution over the completion tokens); set beta instead"
         ]
     out = []
+    if anchor.method.loss is not None and anchor.method.loss.reads & {"detached_logits", "hidden"}:
+        out.append(
+            f"anchor.method={name} in GRPO: a control of why routing-kd holds in supervised fine-tuning "
+            "(docs/methods.md), not built here; use routing-kd"
+        )
     if anchor.config.base == "routes":
         out.append(
             f"anchor.method={name} with anchor.base=routes in GRPO: a route file holds the routes of stored rows, "
