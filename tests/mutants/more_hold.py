@@ -49,8 +49,8 @@ MUTANTS: tuple[Mutant, ...] = (
         story="each token reads the stored route of the token before it: the base's routing of another token",
         path="teacher/stored.py",
         function="StoredRoutes.token_index",
-        pattern=r"\+ positions_in_row\(sample_BT\)",
-        replacement="+ (positions_in_row(sample_BT) - 1).clamp_min(0)",
+        pattern=r"at_BS = positions_in_row\(sample_BT\)",
+        replacement="at_BS = (positions_in_row(sample_BT) - 1).clamp_min(0)",
         tests=(f"{MATRIX}::test_stored_routing_kd_is_the_hand_set_cross_entropy_and_top_k_kl[qwen3_30b_a3b]",),
     ),
     Mutant(

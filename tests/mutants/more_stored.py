@@ -105,3 +105,17 @@ MUTANTS += (
         tests=(f"{CONTROLS}::test_hidden_kd_is_the_relative_drift_of_each_routers_input_from_the_bases",),
     ),
 )
+
+MUTANTS += (
+    Mutant(
+        name="route_file_held_whole",
+        story="the stored-routes teacher reads every tensor of the route file into memory, as it did before: a "
+        "100M-token set's routes then need their whole size of RAM in every process",
+        path="teacher/stored.py",
+        function="load_stored_routes",
+        pattern=r"    form = routes_loss_form\(routes_loss, routes\.has_probs\)\n",
+        replacement="    form = routes_loss_form(routes_loss, routes.has_probs)\n"
+        "    routes.held = [routes.whole(name) for name in routes.stated]\n",
+        tests=("tests/teacher/test_stored_mapped.py::test_a_route_file_larger_than_the_data_limit_trains",),
+    ),
+)

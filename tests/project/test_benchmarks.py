@@ -86,6 +86,7 @@ IMPORT_ONLY = (
     "report_bootstrap",
     "retention_scaling",
     "retention_transitions",
+    "route_memory",
     "term_scale",
     "toyworld_profile",
     "toyworld_speed",

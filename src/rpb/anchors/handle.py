@@ -137,7 +137,7 @@ class AnchorHandle:
         rows (``sample_BT``). None without a teacher."""
         if self.teacher is None:
             return None
-        if hasattr(self.teacher, "offsets_N"):  # stored routes: the rows and positions say which
+        if getattr(self.teacher, "by_rows", False):  # stored routes: the rows and positions say which
             return self.teacher.step(sample_BT)
         if self.method.loss is not None and "base_hidden" in self.method.loss.reads:  # hidden-kd
             return self.teacher.step(inputs, hidden=True)

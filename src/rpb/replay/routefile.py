@@ -32,13 +32,14 @@ against a model and a data file are the reader's (``rpb.collect.from_routes``).
 from __future__ import annotations
 
 import json
+import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from rpb.errors import RpbError
 from rpb.prior.artifact import atomic_save
@@ -76,44 +77,127 @@ class RouteFileError(RpbError):
     """A file that is not a readable rpb route file (every problem named)."""
 
 
-@dataclass
+#: safetensors' dtype names, as a route file's header states them
+_DTYPES = {"I16": torch.int16, "I64": torch.int64, "F32": torch.float32, "U8": torch.uint8, "U16": torch.uint16}
+
+
+@dataclass(frozen=True)
+class _Stated:
+    """A tensor of the file as its header states it: dtype, shape, and where its bytes lie in the file."""
+
+    dtype: torch.dtype | str
+    shape: torch.Size
+    start: int = 0
+    end: int = 0
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: str | Path) -> tuple[dict, dict[str, _Stated]]:
+    """``(metadata, tensors)`` of a safetensors file from its header alone (8 bytes of length, then JSON): the
+    format's own layout (https://github.com/huggingface/safetensors), each tensor's bytes checked to lie in the
+    file. Read here rather than through ``safe_open``, which maps the whole file privately and writably: a map the
+    kernel counts as the process's data (``RLIMIT_DATA``), where a read-only shared map (``RouteFile``) is not."""
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= size - 8:
+            raise ValueError(f"a header of {n} bytes in a file of {size}")
+        header = json.loads(f.read(n))
+    meta, stated = header.pop("__metadata__", None) or {}, {}
+    for name, info in header.items():
+        begin, end = (8 + n + int(x) for x in info["data_offsets"])
+        dtype = _DTYPES.get(info["dtype"], info["dtype"])
+        itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 0
+        if not (8 + n <= begin <= end <= size) or (itemsize and end - begin != math.prod(info["shape"]) * itemsize):
+            raise ValueError(f"tensor {name!r}: bytes {begin}..{end} do not hold {info['shape']} {info['dtype']}")
+        stated[name] = _Stated(dtype, torch.Size(info["shape"]), begin, end)
+    return meta, stated
+
+
 class RouteFile:
-    routes_RXK: torch.Tensor
-    token_ids_T: torch.Tensor
-    route_offsets: torch.Tensor
-    token_offsets: torch.Tensor
-    metadata: dict
-    #: the router probabilities at each stored expert (None: ids alone)
-    probs_RXK: torch.Tensor | None = None
-    #: the next ``top_m - K`` experts by probability and their probabilities (None: the top-k alone)
-    extra_ids_RXJ: torch.Tensor | None = None
-    extra_probs_RXJ: torch.Tensor | None = None
+    """A route file read lazily: its row offsets whole (two int64 a row), everything else one row's slice at a time
+    from a read-only map of the file (``routes(row)``, ``probs(row)``, ``extra(row)``, ``tokens(row)``), so a reader
+    holds no more than the rows it asks for, and the map is the page cache's, not the process's own memory.
+    ``routes_RXK`` and the like read a tensor whole (small files, tests). A copy sent to another process maps the
+    file anew."""
+
+    def __init__(self, path, metadata: dict, route_offsets, token_offsets, stated: dict[str, _Stated]):
+        self.path, self.metadata = str(path), metadata
+        self.route_offsets, self.token_offsets = route_offsets, token_offsets
+        self.stated = stated
+        self._map = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_map": None}
 
     @property
     def num_rows(self) -> int:
         return self.route_offsets.numel() - 1
 
-    def routes(self, row: int) -> torch.Tensor:
-        """``routes_SXK`` of row ``row`` (int16, as stored)."""
-        return self.routes_RXK[int(self.route_offsets[row]) : int(self.route_offsets[row + 1])]
+    @property
+    def has_probs(self) -> bool:
+        return "probs" in self.stated
 
-    def probs(self, row: int) -> torch.Tensor:
-        """``probs_SXK`` of row ``row`` (float32; the file must hold probabilities)."""
-        return self.probs_RXK[int(self.route_offsets[row]) : int(self.route_offsets[row + 1])]
+    @property
+    def has_extra(self) -> bool:
+        return "extra_ids" in self.stated
 
-    def extra(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(extra_ids_SXJ, extra_probs_SXJ)`` of row ``row`` (the file must hold extra experts)."""
-        at = slice(int(self.route_offsets[row]), int(self.route_offsets[row + 1]))
-        return self.extra_ids_RXJ[at], self.extra_probs_RXJ[at]
+    @property
+    def width(self) -> int:
+        """X: the layer axis (every decoder layer, or the MoE layers alone)."""
+        return int(self.stated["routes"].shape[1])
 
     @property
     def top_m(self) -> int:
         """The experts stored per token and layer: the top-k, plus the extra ones."""
-        extra = 0 if self.extra_ids_RXJ is None else self.extra_ids_RXJ.shape[-1]
-        return int(self.routes_RXK.shape[-1]) + extra
+        extra = int(self.stated["extra_ids"].shape[2]) if self.has_extra else 0
+        return int(self.stated["routes"].shape[2]) + extra
+
+    def _read(self, name: str, first: int, last: int) -> torch.Tensor:
+        """Rows ``first:last`` of tensor ``name``, copied out of the map."""
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        t = self.stated[name]
+        row = math.prod(t.shape[1:]) * t.dtype.itemsize
+        view = memoryview(self._map)[t.start + first * row : t.start + last * row]
+        out = torch.empty((last - first, *t.shape[1:]), dtype=t.dtype)
+        out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(view, dtype=np.uint8)
+        return out
+
+    def _rows(self, name: str, row: int) -> torch.Tensor:
+        offsets = self.token_offsets if name == "token_ids" else self.route_offsets
+        return self._read(name, int(offsets[row]), int(offsets[row + 1]))
+
+    def routes(self, row: int) -> torch.Tensor:
+        """``routes_SXK`` of row ``row`` (int16, as stored)."""
+        return self._rows("routes", row)
+
+    def probs(self, row: int) -> torch.Tensor:
+        """``probs_SXK`` of row ``row`` (float32; the file must hold probabilities)."""
+        return self._rows("probs", row)
+
+    def extra(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(extra_ids_SXJ, extra_probs_SXJ)`` of row ``row`` (the file must hold extra experts)."""
+        return self._rows("extra_ids", row), self._rows("extra_probs", row)
 
     def tokens(self, row: int) -> list[int]:
-        return self.token_ids_T[int(self.token_offsets[row]) : int(self.token_offsets[row + 1])].tolist()
+        return self._rows("token_ids", row).tolist()
+
+    def whole(self, name: str) -> torch.Tensor | None:
+        """Tensor ``name`` read whole into memory (None: the file has none)."""
+        return self._read(name, 0, self.stated[name].shape[0]) if name in self.stated else None
+
+    routes_RXK = property(lambda self: self.whole("routes"))
+    token_ids_T = property(lambda self: self.whole("token_ids"))
+    probs_RXK = property(lambda self: self.whole("probs"))
+    extra_ids_RXJ = property(lambda self: self.whole("extra_ids"))
+    extra_probs_RXJ = property(lambda self: self.whole("extra_probs"))
 
 
 def save_routes(
@@ -202,13 +286,11 @@ def _stack(rows: list[np.ndarray], dtype, width: tuple) -> np.ndarray:
 
 
 def load_routes(path: str | Path) -> RouteFile:
-    """A route file, its layout checked (every problem named at once); no check against a model or data here."""
+    """A route file, its layout checked from its header and row offsets (every problem named at once), nothing else
+    read; no check against a model or data here."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            names = set(f.keys())
-            tensors = {name: f.get_tensor(name) for name in (*TENSORS, *OPTIONAL) if name in names}
-    except Exception as e:  # safetensors raises its own error types for bad headers
+        header, stated = read_header(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # the header's own faults, whatever their kind
         raise RouteFileError(f"{path}: not a readable safetensors file ({e})") from None
     if ROUTES_KEY not in header:
         raise RouteFileError(f"{path}: no {ROUTES_KEY!r} metadata; not an rpb route file")
@@ -216,20 +298,17 @@ def load_routes(path: str | Path) -> RouteFile:
         meta = json.loads(header[ROUTES_KEY])
     except json.JSONDecodeError as e:
         raise RouteFileError(f"{path}: metadata is not valid JSON ({e})") from None
-    problems = _layout_problems(meta, tensors)
+    known = {name: t for name, t in stated.items() if name in (*TENSORS, *OPTIONAL)}
+    reader = RouteFile(path, meta, None, None, known)
+    offsets = {}
+    for name in ("route_offsets", "token_offsets"):
+        if name in known and known[name].dtype == torch.int64 and known[name].dim() == 1:
+            offsets[name] = reader.whole(name)
+    problems = _layout_problems(meta, known | offsets)
     if problems:
         raise RouteFileError(f"{path}: {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
-    t = tensors
-    return RouteFile(
-        t["routes"],
-        t["token_ids"],
-        t["route_offsets"],
-        t["token_offsets"],
-        meta,
-        t.get("probs"),
-        t.get("extra_ids"),
-        t.get("extra_probs"),
-    )
+    reader.route_offsets, reader.token_offsets = offsets["route_offsets"], offsets["token_offsets"]
+    return reader
 
 
 def _layout_problems(meta, tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -9,9 +9,11 @@ The route file (``rpb.replay.routefile``) comes from ``rpb routes`` (an HF forwa
 ``rpb collect --from-routes`` reads them). Everything is checked before the first step, every problem named at
 once (``rpb.collect.from_routes``'s checks): the row count, the router fingerprint and the data hash against the
 run's, each row's tokens against the training labelling (the first differing row and position), each row's route
-count and expert ids against the model. The routes of every row are then held back to back, MoE layers only, and a
-step's are gathered by each token's (row, position in its row): ``sample_BT`` says the row, and the position is
-counted from where the row starts in the batch's line, so right-padded and packed batches read alike.
+count and expert ids against the model, the rows streamed one at a time. Training never holds the file: each step
+reads the rows its batch holds from safetensors' read-only map of the file (``RouteFile``), in the trainer's step,
+so neither DataLoader workers nor any rank keeps more than a batch's routes in its own memory. A step's routes are
+gathered by each token's (row, position in its row): ``sample_BT`` says the row, and the position is counted from
+where the row starts in the batch's line, so right-padded and packed batches read alike.
 """
 
 from __future__ import annotations
@@ -34,75 +36,80 @@ logger = logging.getLogger("rpb.teacher")
 
 @dataclass
 class StoredRoutes:
-    """Every row's base routes, back to back: ``ids_RLK`` (int16), ``probs_RLK`` (float32 or None), ``offsets_N``
-    (row i's first token); ``describe()`` is what the run records."""
+    """A checked route file read a batch at a time (``step``): ``file`` the mapped ``RouteFile``, ``keep`` its layer
+    columns that are MoE layers, ``top_k``; ``describe()`` is what the run records."""
 
-    ids_RLK: torch.Tensor
-    probs_RLK: torch.Tensor | None
-    offsets_N: torch.Tensor
+    file: RouteFile
+    keep: list[int]
+    top_k: int
     path: str
     engine: str | None
     #: the term's form the run uses (``anchor.routes_loss``, or the default for this file)
     routes_loss: str = "hinge"
-    #: the next experts by probability after the top-k, and their probabilities (None: the top-k alone)
-    extra_ids_RLJ: torch.Tensor | None = None
-    extra_probs_RLJ: torch.Tensor | None = None
+    #: a step's routes are read by the tokens' rows and positions (``AnchorHandle.base_routing``), not a forward
+    by_rows = True
+
+    @property
+    def with_probs(self) -> bool:
+        return self.file.has_probs
 
     @property
     def top_m(self) -> int:
-        return int(self.ids_RLK.shape[-1]) + (0 if self.extra_ids_RLJ is None else int(self.extra_ids_RLJ.shape[-1]))
+        return self.file.top_m
 
     def describe(self) -> dict:
         return {
             "source": "routes",
             "routes_file": self.path,
             "engine": self.engine,
-            "with_probs": self.probs_RLK is not None,
+            "with_probs": self.with_probs,
             "routes_loss": self.routes_loss,
             "top_m": self.top_m,
-            "bytes": sum(t.numel() * t.element_size() for t in self._tensors() if t is not None),
+            "bytes": Path(self.path).stat().st_size,
         }
 
-    def _tensors(self):
-        return (self.ids_RLK, self.probs_RLK, self.extra_ids_RLJ, self.extra_probs_RLJ)
-
     def step(self, sample_BT: torch.Tensor) -> BaseRouting:
-        """The base's routes for a batch's tokens (padding tokens read row 0's first route: the anchor skips them)."""
-        at_T = self.token_index(sample_BT.cpu()).reshape(-1)
-        ids_LTK = self.ids_RLK[at_T].long().transpose(0, 1)
-        device = sample_BT.device
-        probs_LTK = None if self.probs_RLK is None else self.probs_RLK[at_T].transpose(0, 1)
-        base = BaseRouting(ids_LTK=ids_LTK.to(device), probs_LTK=_to(probs_LTK, device))
-        if self.extra_ids_RLJ is not None:
-            base.extra_ids_LTJ = self.extra_ids_RLJ[at_T].long().transpose(0, 1).to(device)
-            base.extra_probs_LTJ = self.extra_probs_RLJ[at_T].transpose(0, 1).to(device)
+        """The base's routes for a batch's tokens (padding tokens read expert 0: the anchor skips them)."""
+        device, sample = sample_BT.device, sample_BT.cpu()
+        lay = lambda x_BSLK: x_BSLK.reshape(-1, *x_BSLK.shape[2:]).transpose(0, 1).to(device)  # noqa: E731
+        base = BaseRouting(ids_LTK=lay(self.gather("routes", sample).long()))
+        if self.with_probs:
+            base.probs_LTK = lay(self.gather("probs", sample))
+        if self.file.has_extra:
+            base.extra_ids_LTJ = lay(self.gather("extra_ids", sample).long())
+            base.extra_probs_LTJ = lay(self.gather("extra_probs", sample))
         return base
 
     def routes_BSLK(self, sample_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The base's top-k ids (and probabilities, or None) of a ``[B, S]`` batch's tokens, ``[B, S, L, K]``: what
-        the Megatron path's ``set_micro_batch`` takes (padding reads row 0's first route: never counted)."""
-        at_BS = self.token_index(sample_BS.cpu())
-        probs = None if self.probs_RLK is None else self.probs_RLK[at_BS]
-        return self.ids_RLK[at_BS].long(), probs
+        the Megatron path's ``set_micro_batch`` takes (padding reads expert 0: never counted)."""
+        probs = self.gather("probs", sample_BS.cpu()) if self.with_probs else None
+        return self.gather("routes", sample_BS.cpu()).long(), probs
 
     def extra_BSLJ(self, sample_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A ``--top-m`` file's extra experts of a ``[B, S]`` batch's tokens, ``(ids_BSLJ, probs_BSLJ)`` (None: the
         file stores the top-k alone); the Megatron path's ``set_micro_batch(base_extra_BSLJ=...)``."""
-        if self.extra_ids_RLJ is None:
+        if not self.file.has_extra:
             return None
-        at_BS = self.token_index(sample_BS.cpu())
-        return self.extra_ids_RLJ[at_BS].long(), self.extra_probs_RLJ[at_BS]
+        return self.gather("extra_ids", sample_BS.cpu()).long(), self.gather("extra_probs", sample_BS.cpu())
+
+    def gather(self, name: str, sample_BS: torch.Tensor) -> torch.Tensor:
+        """Tensor ``name`` of the file at each token of the batch, MoE layers only (``[B, S, L, last]``): each row
+        of the batch read once, as a slice of the mapped file, and its tokens taken at their positions."""
+        B, S = sample_BS.shape
+        stated = self.file.stated[name]
+        out_TLC = torch.zeros(B * S, len(self.keep), stated.shape[2], dtype=stated.dtype)
+        row_T, at_T = sample_BS.reshape(-1), self.token_index(sample_BS).reshape(-1)
+        for row in row_T[row_T >= 0].unique().tolist():
+            mine_T = (row_T == row).nonzero().squeeze(1)
+            out_TLC[mine_T] = self.file._rows(name, row)[:, self.keep][at_T[mine_T]]
+        return out_TLC.reshape(B, S, len(self.keep), -1)
 
     def token_index(self, sample_BT: torch.Tensor) -> torch.Tensor:
-        """Each token's place among the stored routes (``[B, S]``): its row's first token plus its position in the
-        row; padding 0."""
+        """Each token's position in its row's routes (``[B, S]``); padding 0."""
         pad_BS = sample_BT < 0
-        at_BS = self.offsets_N[sample_BT.clamp_min(0)] + positions_in_row(sample_BT)
+        at_BS = positions_in_row(sample_BT)
         return torch.where(pad_BS, torch.zeros_like(at_BS), at_BS)
-
-
-def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
 
 
 def positions_in_row(sample_BT: torch.Tensor) -> torch.Tensor:
@@ -133,18 +140,16 @@ def load_stored_routes(
     form (``anchor.routes_loss``: one that reads probabilities needs a file that has them)."""
     routes = load_routes(path)
     problems = file_problems(routes, data, routers_sha256, transform, path)
-    if routes_loss in ROUTES_LOSSES_WITH_PROBS and routes.probs_RXK is None:
+    if routes_loss in ROUTES_LOSSES_WITH_PROBS and not routes.has_probs:
         problems.append(
             f"{path}: anchor.routes_loss={routes_loss} reads the base's probabilities and the file has ids alone "
             "(rpb routes --with-probs writes them; hinge and set-ce read ids alone)"
         )
     model = SimpleNamespace(moe_layers=moe_layers, top_k=top_k, num_experts=num_experts, num_layers=num_layers)
-    per_row: list[torch.Tensor] = []
-    if not problems:
+    if not problems:  # streamed: one row's tokens and routes at a time, none kept
         for ex in data.examples:
-            routes_NLK, row_problems = row_routes(routes, ex, model, str(data.path))
-            problems += row_problems
-            per_row.append(routes_NLK)
+            problems += row_routes(routes, ex, model, str(data.path))[1]
+            problems += _extra_problems(routes, ex.index, moe_layers, num_layers, num_experts, path)
     if problems:
         raise mismatch(
             f"anchor.routes={path}: {len(problems)} problem(s) against the training file {data.path}", problems
@@ -153,36 +158,25 @@ def load_stored_routes(
         logger.warning(
             "rpb: %s carries no router fingerprint (an engine's arrays): rpb cannot check they are this base's", path
         )
-    ids_RLK = (
-        torch.cat(per_row).to(torch.int16) if per_row else torch.zeros(0, len(moe_layers), top_k, dtype=torch.int16)
-    )
-    probs_RLK = None
-    if routes.probs_RXK is not None:
-        width = routes.probs_RXK.shape[1]
-        keep = moe_layers if width == num_layers else list(range(width))
-        probs_RLK = torch.cat([routes.probs(ex.index)[:, keep] for ex in data.examples])
-    extra = _extra(routes, data, moe_layers, num_layers, num_experts, path)
-    lengths = torch.tensor([len(ex) for ex in data.examples], dtype=torch.int64)
-    offsets_N = torch.cumsum(lengths, 0) - lengths
-    form = routes_loss_form(routes_loss, probs_RLK is not None)
-    return StoredRoutes(ids_RLK, probs_RLK, offsets_N, str(path), routes.metadata.get("engine"), form, *extra)
+    form = routes_loss_form(routes_loss, routes.has_probs)
+    keep = _keep(routes.width, moe_layers, num_layers)
+    return StoredRoutes(routes, keep, top_k, str(path), routes.metadata.get("engine"), form)
 
 
-def _extra(routes: RouteFile, data: LabelledData, moe_layers, num_layers: int, num_experts: int, path):
-    """A version-2 file's extra experts over the MoE layers, every row back to back (``(None, None)``: none)."""
-    if routes.extra_ids_RXJ is None:
-        return None, None
-    width = routes.extra_ids_RXJ.shape[1]
-    keep = moe_layers if width == num_layers else list(range(width))
-    parts = [routes.extra(ex.index) for ex in data.examples]
-    ids_RLJ = torch.cat([ids[:, keep] for ids, _ in parts])
-    probs_RLJ = torch.cat([probs[:, keep] for _, probs in parts])
-    if ids_RLJ.numel() and not (int(ids_RLJ.min()) >= 0 and int(ids_RLJ.max()) < num_experts):
-        raise mismatch(
-            f"anchor.routes={path}: extra_ids outside the model's {num_experts} experts",
-            [f"{path}: extra_ids run from {int(ids_RLJ.min())} to {int(ids_RLJ.max())}"],
-        )
-    return ids_RLJ, probs_RLJ
+def _keep(width: int, moe_layers: list[int], num_layers: int) -> list[int]:
+    """The file's layer columns that are MoE layers: the engines' layout has every decoder layer, else MoE alone."""
+    return list(moe_layers) if width == num_layers else list(range(width))
+
+
+def _extra_problems(routes: RouteFile, row: int, moe_layers, num_layers: int, num_experts: int, path) -> list[str]:
+    """A version-2 file's extra experts of one row, against the model's experts."""
+    if not routes.has_extra:
+        return []
+    ids = routes.extra(row)[0][:, _keep(routes.width, moe_layers, num_layers)]
+    if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < num_experts):
+        return [f"{path}: row {row}'s extra_ids run from {int(ids.min())} to {int(ids.max())}, outside the model's "
+                f"{num_experts} experts"]  # fmt: skip
+    return []
 
 
 def file_problems(routes: RouteFile, data: LabelledData, fingerprint: str, transform: str, path) -> list[str]:
@@ -200,7 +194,7 @@ def file_problems(routes: RouteFile, data: LabelledData, fingerprint: str, trans
             f"{path}: routes of another data file (data_sha256 {meta['data_sha256'][:16]}…, the training file's "
             f"{data.sha256[:16]}…)"
         )
-    if routes.probs_RXK is not None and meta.get("probs_transform") != transform:
+    if routes.has_probs and meta.get("probs_transform") != transform:
         problems.append(
             f"{path}: router probabilities read as {meta.get('probs_transform')}, the run reads its routers as "
             f"{transform} (anchor.router_transform)"

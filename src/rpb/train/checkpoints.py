@@ -87,12 +87,10 @@ def _method_record(anchor) -> dict:
 def _default_form(routes: str) -> str:
     """The form ``anchor.routes_loss`` left unset gives the route file: ``bucket`` where it holds probabilities,
     ``hinge`` where it holds ids alone (its header read, not its tensors)."""
-    from safetensors import safe_open
-
     from rpb.losses import routes_loss_form
+    from rpb.replay.routefile import read_header
 
-    with safe_open(str(routes), framework="pt") as f:
-        return routes_loss_form(None, "probs" in set(f.keys()))
+    return routes_loss_form(None, "probs" in read_header(routes)[1])
 
 
 def _as_now(saved: dict, record: dict) -> dict:

@@ -263,9 +263,9 @@ def _stored_routes(cfg: RunConfig, data, problems: list[str]) -> str | None:
     except RpbError as e:
         problems.append(str(e))
         return None
-    probs = "top-k and router probabilities" if stored.probs_RLK is not None else "top-k ids alone"
-    probs += f" at {stored.top_m} experts per token" if stored.top_m > stored.ids_RLK.shape[-1] else ""
-    form = routes_loss_form(cfg.anchor.routes_loss, stored.probs_RLK is not None)
+    probs = "top-k and router probabilities" if stored.with_probs else "top-k ids alone"
+    probs += f" at {stored.top_m} experts per token" if stored.top_m > stored.top_k else ""
+    form = routes_loss_form(cfg.anchor.routes_loss, stored.with_probs)
     return (
         f"routes {cfg.anchor.routes}: {probs} (the term: {form}), every row's tokens and routes match the training "
         "file and model"
