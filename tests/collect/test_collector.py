@@ -357,10 +357,39 @@ def test_killed_run_resumes_to_the_same_artifact(save_tiny, data, reference, tmp
 # ---- sharding -----------------------------------------------------------------------------------
 
 
+#: one launch, two commands: a process group costs seconds to start, and both commands share its machinery
+TWO_COMMANDS = """
+import json, sys
+import torch.distributed as dist
+from rpb.cli import main
+dist.init_process_group("gloo")  # one group for both: each command then keeps it, as under a trainer's own
+for args in json.loads(sys.argv[1]):
+    if main(args) != 0:
+        sys.exit(1)
+"""
+
+
 def test_two_processes_match_one(save_tiny, data, reference, tmp_path):
-    out = tmp_path / "prior.safetensors"
-    done = run_cli(cli_args(save_tiny("moonlight"), data, out), torchrun=True)
+    """``rpb collect`` and ``rpb routes --chunk-rows`` under torchrun: each rank its share of the chunks, and what
+    they write is what one process writes."""
+    from rpb.replay.routeshards import open_routes
+
+    model = save_tiny("moonlight")
+    out, shards, single = tmp_path / "prior.safetensors", tmp_path / "routes", tmp_path / "routes.safetensors"
+    routes = ["routes", "--model", str(model), "--data-jsonl", str(data), "--max-seq-len", "256", "--with-probs"]
+    assert main([*routes, "--out", str(single)]) == 0
+    script = tmp_path / "two.py"
+    script.write_text(TWO_COMMANDS)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    jobs = json.dumps([cli_args(model, data, out), [*routes, "--out", str(shards), "--chunk-rows", "3"]])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*launch, jobs], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count(f"wrote {out}") == 1 and not work_dir_for(out).exists()
-    assert "rank 0/2: 2 chunk(s), 6 row(s)" in done.stderr and "rank 1/2: 2 chunk(s), 6 row(s)" in done.stderr
+    assert "rank 0/2: 2 chunk(s), 6 row(s) to collect" in done.stderr
+    assert "rank 1/2: 2 chunk(s), 6 row(s) to collect" in done.stderr
     assert_same_artifact(out, reference)
+    assert "rank 0/2: 2 chunk(s), 6 row(s) to route" in done.stderr and not work_dir_for(shards).exists()
+    one, sharded = open_routes(single), open_routes(shards)
+    for name in ("routes", "probs", "token_ids"):
+        assert torch.equal(one.whole(name), sharded.whole(name)), name

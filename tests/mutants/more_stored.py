@@ -119,3 +119,28 @@ MUTANTS += (
         tests=("tests/teacher/test_stored_mapped.py::test_a_route_file_larger_than_the_data_limit_trains",),
     ),
 )
+
+SHARDS = "tests/teacher/test_route_shards.py::test_shards_are_the_single_file_to_every_reader_and_a_killed_run_resumes"
+
+MUTANTS += (
+    Mutant(
+        name="shard_read_at_the_global_row",
+        story="a shard directory reads row r of the shard that holds it as that shard's own row r: every row after "
+        "the first shard gets another row's routes, or none",
+        path="replay/routeshards.py",
+        function="RouteShards._at",
+        pattern=r"return self\.parts\[i\], row - self\.starts\[i\]",
+        replacement="return self.parts[i], min(row, self.parts[i].num_rows - 1)",
+        tests=(SHARDS,),
+    ),
+    Mutant(
+        name="finished_chunks_redone_on_resume",
+        story="a resumed sharded run lists no chunk as finished: every shard (or chunk of a prior) is computed "
+        "again after a kill",
+        path="collect/store.py",
+        function="missing_chunks",
+        pattern=r"todo = \[c for c in store\.chunks if c not in done\]",
+        replacement="todo = list(store.chunks)",
+        tests=(SHARDS,),
+    ),
+)

@@ -87,6 +87,7 @@ IMPORT_ONLY = (
     "retention_scaling",
     "retention_transitions",
     "route_memory",
+    "routes_throughput",
     "term_scale",
     "toyworld_profile",
     "toyworld_speed",

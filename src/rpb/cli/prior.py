@@ -72,7 +72,7 @@ def _collect_forward(args, collect):
 
 
 def _routes(args) -> int:
-    from rpb.collect.hf_routes import write_requests, write_routes
+    from rpb.collect.hf_routes import write_requests, write_route_shards, write_routes
 
     if args.requests:
         n = write_requests(
@@ -82,11 +82,7 @@ def _routes(args) -> int:
         return 0
     if not args.out:
         raise ArgumentError("rpb routes needs --out (the route file), or --requests (the engine's requests)")
-    n = write_routes(
-        args.model,
-        args.data_jsonl,
-        args.out,
-        args.max_seq_len,
+    common = dict(
         batch_size=args.batch_size,
         tokenizer_id=args.tokenizer,
         adapter=args.adapter,
@@ -95,10 +91,19 @@ def _routes(args) -> int:
         probs_transform=args.with_probs,
         top_m=args.top_m,
     )
+    if args.chunk_rows is not None:
+        n = write_route_shards(
+            args.model, args.data_jsonl, args.out, args.max_seq_len, args.chunk_rows, device=args.device, **common
+        )
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ArgumentError("rpb routes under torchrun writes shards: give --chunk-rows (rows a shard)")
+    else:
+        n = write_routes(args.model, args.data_jsonl, args.out, args.max_seq_len, **common)
     read_as = "the family's own transform" if args.with_probs == "family" else args.with_probs
     probs = f", with router probabilities ({read_as})" if args.with_probs else ""
     probs += f" at the top {args.top_m} experts" if args.top_m else ""
-    print(f"wrote {args.out}: routes of {n} rows in vLLM's layout{probs} (rpb collect --from-routes reads it)")
+    shards = f" in shards of {args.chunk_rows} rows" if args.chunk_rows is not None else ""
+    print(f"wrote {args.out}: routes of {n} rows in vLLM's layout{probs}{shards} (rpb collect --from-routes reads it)")
     return 0
 
 
@@ -226,6 +231,13 @@ def add_commands(add) -> None:
         metavar="M",
         help="with --with-probs: store M experts per token and layer, the routed top-k first and then the next by "
         "probability (M = the model's experts: the whole distribution; routing-kd's bucket form reads them all)",
+    )
+    o.add_argument(
+        "--chunk-rows",
+        type=int,
+        metavar="N",
+        help="write --out as a directory of shards of N rows and an index: resumable after a kill (the finished "
+        "shards kept in <out>.partial/), and shared out over processes under torchrun; every reader takes it",
     )
     o.add_argument("--tokenizer", help="default: --model")
     model_options(o)

@@ -30,7 +30,7 @@ from rpb.collect.clip import clip_table, clipped_shares
 from rpb.collect.dist import ranks
 from rpb.collect.record import scan_data
 from rpb.collect.rows import label_range
-from rpb.collect.store import WorkDir
+from rpb.collect.store import WorkDir, missing_chunks
 from rpb.data import Example, collate
 from rpb.errors import ArgumentError
 from rpb.models import DTYPES, config_sha256, load_base_model, load_tokenizer, pad_id_of, resolve_device
@@ -238,21 +238,9 @@ def collect(
             "num_experts": int(layers[0].router.weight.shape[0]),
         }
         store = WorkDir(out_path, run, chunk_rows)
-        if rk.main:
-            store.prepare()
-        rk.barrier()
-        store.check()  # every rank raises alike on a mismatch, so none waits at a barrier for another
-        try:
-            done = store.done()
-            rk.barrier()  # every rank has listed the finished chunks before any rank writes one
-            todo = [c for c in store.chunks if c not in done][rk.rank :: rk.world]
-            if done and rk.main:
-                print(f"resuming {store.path}: {len(done)} of {len(store.chunks)} chunk(s) done", file=sys.stderr)
-            share = sum(b - a for a, b in todo)
-            if rk.world > 1:
-                print(f"rank {rk.rank}/{rk.world}: {len(todo)} chunk(s), {share} row(s) to collect", file=sys.stderr)
+        with missing_chunks(store, rk, "to collect") as todo:
             pad_id = pad_id_of(tokenizer)
-            bar = Progress(share, progress and rk.main)  # rank 0's share stands for all
+            bar = Progress(sum(b - a for a, b in todo), progress and rk.main)  # rank 0's share stands for all
             for a, b in todo:
                 examples = label_range(rows, template, max_seq_len, a, b)
                 prior, counts = collect_prior(
@@ -261,15 +249,10 @@ def collect(
                 store.write_chunk(a, b, prior, counts, rows.row_sha256(a, b))
                 del examples, prior, counts  # else the last chunk's prior lives on through the next one's compute
             bar.close()
-            rk.barrier()
-            if rk.main:
-                store.assemble(run, len(layers), run["num_experts"], rows.digests)
-                store.remove()
-            rk.barrier()
-        except BaseException:
-            if rk.world == 1:
-                store.remove_if_empty()  # keep finished chunks to resume from; an empty directory is noise
-            raise
+        if rk.main:
+            store.assemble(run, len(layers), run["num_experts"], rows.digests)
+            store.remove()
+        rk.barrier()
     artifact = load_artifact(out_path)
     if progress and int(os.environ.get("RANK", "0")) == 0:
         share_SL = clipped_shares(artifact.prior_qa)

@@ -32,14 +32,14 @@ from rpb.collect.record import scan_data
 from rpb.collect.rows import label_range
 from rpb.collect.store import WorkDir
 from rpb.data import Example
-from rpb.data.jsonl import file_sha256
 from rpb.data.tokens import first_difference
 from rpb.errors import ArgumentError
 from rpb.models import config_sha256, load_tokenizer
 from rpb.prior import NUM_SPANS, selection_sums, span_counts
 from rpb.prior.artifact import PriorArtifact, load_artifact
 from rpb.replay.engines import check_routes
-from rpb.replay.routefile import RouteFile, load_routes
+from rpb.replay.routefile import RouteFile
+from rpb.replay.routeshards import open_routes, routes_sha256
 
 #: problems listed in full before the rest are counted
 SHOWN_PROBLEMS = 20
@@ -168,7 +168,7 @@ def collect_from_routes(
     build returns for its fused shared experts (``rpb.replay.engines.check_routes``)."""
     routes_path = Path(routes_path)
     tokenizer_id = tokenizer_id or model_id
-    routes = load_routes(routes_path)
+    routes = open_routes(routes_path)
     model = _Model(model_id, adapter)
     if top_k is not None and top_k != model.top_k:
         raise ArgumentError(f"--top-k {top_k} does not match the model's own top-k ({model.top_k})")
@@ -193,7 +193,7 @@ def collect_from_routes(
         "moe_layers": model.moe_layers,
         "num_experts": model.num_experts,
         "routes_file": routes_path.name,
-        "routes_sha256": file_sha256(routes_path),
+        "routes_sha256": routes_sha256(routes_path),
         "routes_engine": routes.metadata.get("engine"),
         "routes_fused_shared_experts": int(fused_shared_experts),
     }

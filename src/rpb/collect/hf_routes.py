@@ -18,6 +18,7 @@ fingerprint, so ``rpb collect --from-routes`` refuses it for another model.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,15 +26,18 @@ import torch
 
 from rpb.adapters import find_moe_layers, get_adapter, router_spec, routers_sha256
 from rpb.collect.collector import plan_batches
+from rpb.collect.dist import ranks
 from rpb.collect.rows import KEEP_TOKENS, label_range, scan_rows
+from rpb.collect.store import MANIFEST, WorkDir, missing_chunks
 from rpb.data import ChatTemplate, Example
 from rpb.errors import ArgumentError
 from rpb.fileio import write_text_atomic
-from rpb.models import load_base_model, load_tokenizer, pad_id_of
+from rpb.models import load_base_model, load_tokenizer, pad_id_of, resolve_device
 from rpb.observe.capture import RouterCapture
 from rpb.prior import family_transform, router_probs
 from rpb.replay.record import GenerationRecorder
-from rpb.replay.routefile import save_routes
+from rpb.replay.routefile import load_routes, save_routes
+from rpb.replay.routeshards import write_index
 
 
 def vllm_dtype(num_experts: int) -> np.dtype:
@@ -123,6 +127,46 @@ def _labelled(data_jsonl, tokenizer_id: str, max_seq_len: int, chat_template_kwa
     return rows, label_range(rows, template, max_seq_len, 0, rows.num_rows), template
 
 
+def _prepared(model_id, adapter, dtype, probs_transform, top_m, device: str = "auto"):
+    """The base model (no LM head), its router facts, and the transform its probabilities are read under; ``top_m``
+    checked against its top-k and experts."""
+    if top_m is not None and probs_transform is None:
+        raise ArgumentError("--top-m stores probabilities beyond the top-k: it goes with --with-probs")
+    model, _ = load_base_model(model_id, dtype, adapter, device)  # no LM head: the routes need none
+    facts = get_adapter(adapter or model.config.model_type)
+    if probs_transform == "family":  # the family's own reading of its router (softmax, or normalised sigmoid)
+        probs_transform = family_transform(facts.score_function)
+    if top_m is not None:
+        spec = router_spec(find_moe_layers(model, facts)[0].router, facts)
+        if not spec.top_k <= top_m <= spec.num_experts:
+            raise ArgumentError(
+                f"--top-m {top_m}: {model_id} routes to {spec.top_k} of {spec.num_experts} experts; the stored "
+                f"experts are the routed ones and more, so --top-m runs from {spec.top_k} to {spec.num_experts}"
+            )
+    return model, facts, probs_transform
+
+
+def _save(path, model, examples, pad_id, batch_size, adapter, probs_transform, top_m, model_id, data_sha256):
+    """One route file of ``examples``: their forward's routes (and probabilities), saved atomically."""
+    got = hf_routes(model, examples, pad_id, batch_size, adapter, probs_transform, top_m)
+    save_routes(
+        path,
+        [e.input_ids for e in examples],
+        got[0],
+        engine=ENGINE,
+        routers_sha256=got[1],
+        model=str(model_id),
+        data_sha256=data_sha256,
+        probs=got[2] if probs_transform is not None else None,
+        probs_transform=probs_transform,
+        extra=got[3] if top_m is not None else None,
+    )
+
+
+#: what ``rpb routes`` records as the routes' producer
+ENGINE = "hf generate (rpb routes), vLLM layout"
+
+
 def write_routes(
     model_id: str,
     data_jsonl: str | Path,
@@ -140,35 +184,67 @@ def write_routes(
     ``probs_transform`` (``--with-probs``; ``"family"``: the family's own transform) the router probabilities at
     the routed experts are stored too, for ``routing-kd`` from stored routes; with ``top_m`` (``--top-m``) those of
     the next ``top_m - K`` experts by probability too (``top_m`` = the model's experts: the whole distribution)."""
-    if top_m is not None and probs_transform is None:
-        raise ArgumentError("--top-m stores probabilities beyond the top-k: it goes with --with-probs")
     rows, examples, template = _labelled(data_jsonl, tokenizer_id or model_id, max_seq_len, chat_template_kwargs)
-    model, _ = load_base_model(model_id, dtype, adapter)  # no LM head: the routes need none
-    if probs_transform == "family":  # the family's own reading of its router (softmax, or normalised sigmoid)
-        probs_transform = family_transform(get_adapter(adapter or model.config.model_type).score_function)
-    facts = get_adapter(adapter or model.config.model_type)
-    if top_m is not None:
-        spec = router_spec(find_moe_layers(model, facts)[0].router, facts)
-        if not spec.top_k <= top_m <= spec.num_experts:
-            raise ArgumentError(
-                f"--top-m {top_m}: {model_id} routes to {spec.top_k} of {spec.num_experts} experts; the stored "
-                f"experts are the routed ones and more, so --top-m runs from {spec.top_k} to {spec.num_experts}"
-            )
-    got = hf_routes(model, examples, pad_id_of(template.tokenizer), batch_size, adapter, probs_transform, top_m)
-    routes, fingerprint = got[:2]
-    save_routes(
-        out_path,
-        [e.input_ids for e in examples],
-        routes,
-        engine="hf generate (rpb routes), vLLM layout",
-        routers_sha256=fingerprint,
-        model=str(model_id),
-        data_sha256=rows.sha256,
-        probs=got[2] if probs_transform is not None else None,
-        probs_transform=probs_transform,
-        extra=got[3] if top_m is not None else None,
-    )
+    model, _, probs_transform = _prepared(model_id, adapter, dtype, probs_transform, top_m)
+    pad_id = pad_id_of(template.tokenizer)
+    _save(out_path, model, examples, pad_id, batch_size, adapter, probs_transform, top_m, model_id, rows.sha256)
     return len(examples)
+
+
+def write_route_shards(
+    model_id: str,
+    data_jsonl: str | Path,
+    out_dir: str | Path,
+    max_seq_len: int,
+    chunk_rows: int,
+    batch_size: int = 8,
+    tokenizer_id: str | None = None,
+    adapter: str | None = None,
+    dtype: str = "float32",
+    chat_template_kwargs: dict | None = None,
+    probs_transform: str | None = None,
+    top_m: int | None = None,
+    device: str = "auto",
+) -> int:
+    """``rpb routes --chunk-rows N``: the routes as a shard directory (``rpb.replay.routeshards``), ``N`` rows a
+    shard, written by ``rpb collect``'s machinery (``rpb.collect.store``): each shard a route file finished whole
+    in ``<out>.partial/``, so a rerun after a kill computes only the missing ones; under ``torchrun`` each process
+    takes its share. Then the index, and ``<out>.partial/`` becomes ``out_dir``. Returns the row count."""
+    tokenizer_id = tokenizer_id or model_id
+    template = ChatTemplate(load_tokenizer(tokenizer_id), chat_template_kwargs)
+    rows = scan_rows(data_jsonl, template, max_seq_len, KEEP_TOKENS)  # every bad row refused at once
+    run = {
+        "num_rows": rows.num_rows, "data_sha256": rows.sha256, "model": str(model_id), "tokenizer": tokenizer_id,
+        "max_seq_len": max_seq_len, "chat_template_kwargs": chat_template_kwargs, "probs_transform": probs_transform,
+        "top_m": top_m, "kind": "routes",
+    }  # fmt: skip
+    WorkDir(out_dir, run, chunk_rows).check()  # a mismatched interrupted run is refused before the model loads
+    with ranks() as rk:
+        at = str(resolve_device(device, rk.local_rank))
+        model, facts, transform = _prepared(model_id, adapter, dtype, probs_transform, top_m, at)
+        run["routers_sha256"] = routers_sha256(find_moe_layers(model, facts), facts)
+        store = WorkDir(out_dir, run, chunk_rows)
+        pad_id = pad_id_of(template.tokenizer)
+        with missing_chunks(store, rk, "to route") as todo:
+            for a, b in todo:
+                examples = label_range(rows, template, max_seq_len, a, b)
+                _save(store.chunk_path(a, b), model, examples, pad_id, batch_size, adapter, transform, top_m,
+                      model_id, rows.sha256)  # fmt: skip
+        if rk.main:
+            _finish(store, Path(out_dir))
+        rk.barrier()
+    return rows.num_rows
+
+
+def _finish(store: WorkDir, out_dir: Path) -> None:
+    """The index written beside the shards, and the work directory put in ``out_dir``'s place."""
+    shards = [(store.chunk_path(a, b).name, a, b) for a, b in store.chunks]
+    first = load_routes(store.chunk_path(*store.chunks[0])) if store.chunks else None
+    write_index(store.path, shards, first.metadata if first else {})
+    (store.path / MANIFEST).unlink(missing_ok=True)
+    if out_dir.exists():
+        shutil.rmtree(out_dir) if out_dir.is_dir() else out_dir.unlink()
+    store.path.rename(out_dir)
 
 
 def write_requests(

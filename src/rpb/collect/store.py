@@ -11,10 +11,12 @@ chunks by streaming, without holding the prior in memory, and the directory is t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -173,3 +175,30 @@ class WorkDir:
         """Drop a directory that holds no finished chunk: there is nothing to resume from."""
         if self.path.is_dir() and not self.done():
             self.remove()
+
+
+@contextlib.contextmanager
+def missing_chunks(store: WorkDir, rk, what: str):
+    """This rank's share of the chunks ``store`` still lacks (a list of row ranges), once the work directory is made
+    (main rank) and checked on every rank; every rank lists the finished chunks before any rank writes one, and all
+    meet again when their share is done. A run interrupted in one process keeps its finished chunks to resume from
+    (an empty directory is dropped). ``what`` says in the log what a rank's rows are for. ``rk``: ``dist.Ranks``."""
+    if rk.main:
+        store.prepare()
+    rk.barrier()
+    store.check()  # every rank raises alike on a mismatch, so none waits at a barrier for another
+    try:
+        done = store.done()
+        rk.barrier()
+        todo = [c for c in store.chunks if c not in done][rk.rank :: rk.world]
+        if done and rk.main:
+            print(f"resuming {store.path}: {len(done)} of {len(store.chunks)} chunk(s) done", file=sys.stderr)
+        if rk.world > 1:
+            share = sum(b - a for a, b in todo)
+            print(f"rank {rk.rank}/{rk.world}: {len(todo)} chunk(s), {share} row(s) {what}", file=sys.stderr)
+        yield todo
+        rk.barrier()
+    except BaseException:
+        if rk.world == 1:
+            store.remove_if_empty()
+        raise

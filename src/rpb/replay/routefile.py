@@ -119,7 +119,33 @@ def read_header(path: str | Path) -> tuple[dict, dict[str, _Stated]]:
     return meta, stated
 
 
-class RouteFile:
+class RowReads:
+    """What every reader of routes offers, from its ``rows_of(name, row)`` and ``whole(name)``: one row's routes,
+    probabilities, extra experts and tokens, and each tensor whole (``routes_RXK`` and the like: small files)."""
+
+    def routes(self, row: int) -> torch.Tensor:
+        """``routes_SXK`` of row ``row`` (int16, as stored)."""
+        return self.rows_of("routes", row)
+
+    def probs(self, row: int) -> torch.Tensor:
+        """``probs_SXK`` of row ``row`` (float32; the file must hold probabilities)."""
+        return self.rows_of("probs", row)
+
+    def extra(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(extra_ids_SXJ, extra_probs_SXJ)`` of row ``row`` (the file must hold extra experts)."""
+        return self.rows_of("extra_ids", row), self.rows_of("extra_probs", row)
+
+    def tokens(self, row: int) -> list[int]:
+        return self.rows_of("token_ids", row).tolist()
+
+    routes_RXK = property(lambda self: self.whole("routes"))
+    token_ids_T = property(lambda self: self.whole("token_ids"))
+    probs_RXK = property(lambda self: self.whole("probs"))
+    extra_ids_RXJ = property(lambda self: self.whole("extra_ids"))
+    extra_probs_RXJ = property(lambda self: self.whole("extra_probs"))
+
+
+class RouteFile(RowReads):
     """A route file read lazily: its row offsets whole (two int64 a row), everything else one row's slice at a time
     from a read-only map of the file (``routes(row)``, ``probs(row)``, ``extra(row)``, ``tokens(row)``), so a reader
     holds no more than the rows it asks for, and the map is the page cache's, not the process's own memory.
@@ -170,34 +196,14 @@ class RouteFile:
         out.view(torch.uint8).reshape(-1).numpy()[:] = np.frombuffer(view, dtype=np.uint8)
         return out
 
-    def _rows(self, name: str, row: int) -> torch.Tensor:
+    def rows_of(self, name: str, row: int) -> torch.Tensor:
+        """Row ``row``'s part of tensor ``name`` (its routes, or ``token_ids``' tokens)."""
         offsets = self.token_offsets if name == "token_ids" else self.route_offsets
         return self._read(name, int(offsets[row]), int(offsets[row + 1]))
-
-    def routes(self, row: int) -> torch.Tensor:
-        """``routes_SXK`` of row ``row`` (int16, as stored)."""
-        return self._rows("routes", row)
-
-    def probs(self, row: int) -> torch.Tensor:
-        """``probs_SXK`` of row ``row`` (float32; the file must hold probabilities)."""
-        return self._rows("probs", row)
-
-    def extra(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(extra_ids_SXJ, extra_probs_SXJ)`` of row ``row`` (the file must hold extra experts)."""
-        return self._rows("extra_ids", row), self._rows("extra_probs", row)
-
-    def tokens(self, row: int) -> list[int]:
-        return self._rows("token_ids", row).tolist()
 
     def whole(self, name: str) -> torch.Tensor | None:
         """Tensor ``name`` read whole into memory (None: the file has none)."""
         return self._read(name, 0, self.stated[name].shape[0]) if name in self.stated else None
-
-    routes_RXK = property(lambda self: self.whole("routes"))
-    token_ids_T = property(lambda self: self.whole("token_ids"))
-    probs_RXK = property(lambda self: self.whole("probs"))
-    extra_ids_RXJ = property(lambda self: self.whole("extra_ids"))
-    extra_probs_RXJ = property(lambda self: self.whole("extra_probs"))
 
 
 def save_routes(

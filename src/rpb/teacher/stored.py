@@ -10,7 +10,7 @@ The route file (``rpb.replay.routefile``) comes from ``rpb routes`` (an HF forwa
 once (``rpb.collect.from_routes``'s checks): the row count, the router fingerprint and the data hash against the
 run's, each row's tokens against the training labelling (the first differing row and position), each row's route
 count and expert ids against the model, the rows streamed one at a time. Training never holds the file: each step
-reads the rows its batch holds from safetensors' read-only map of the file (``RouteFile``), in the trainer's step,
+reads the rows its batch holds from a read-only map of the file (``RouteFile``), in the trainer's step,
 so neither DataLoader workers nor any rank keeps more than a batch's routes in its own memory. A step's routes are
 gathered by each token's (row, position in its row): ``sample_BT`` says the row, and the position is counted from
 where the row starts in the batch's line, so right-padded and packed batches read alike.
@@ -28,7 +28,8 @@ import torch
 from rpb.collect.from_routes import mismatch, row_routes
 from rpb.data import LabelledData
 from rpb.losses import ROUTES_LOSSES_WITH_PROBS, routes_loss_form
-from rpb.replay.routefile import RouteFile, load_routes
+from rpb.replay.routefile import RouteFile
+from rpb.replay.routeshards import RouteShards, open_routes
 from rpb.teacher.routing import BaseRouting
 
 logger = logging.getLogger("rpb.teacher")
@@ -39,7 +40,7 @@ class StoredRoutes:
     """A checked route file read a batch at a time (``step``): ``file`` the mapped ``RouteFile``, ``keep`` its layer
     columns that are MoE layers, ``top_k``; ``describe()`` is what the run records."""
 
-    file: RouteFile
+    file: RouteFile | RouteShards
     keep: list[int]
     top_k: int
     path: str
@@ -65,7 +66,7 @@ class StoredRoutes:
             "with_probs": self.with_probs,
             "routes_loss": self.routes_loss,
             "top_m": self.top_m,
-            "bytes": Path(self.path).stat().st_size,
+            "bytes": sum(p.stat().st_size for p in _files(Path(self.path))),
         }
 
     def step(self, sample_BT: torch.Tensor) -> BaseRouting:
@@ -102,7 +103,7 @@ class StoredRoutes:
         row_T, at_T = sample_BS.reshape(-1), self.token_index(sample_BS).reshape(-1)
         for row in row_T[row_T >= 0].unique().tolist():
             mine_T = (row_T == row).nonzero().squeeze(1)
-            out_TLC[mine_T] = self.file._rows(name, row)[:, self.keep][at_T[mine_T]]
+            out_TLC[mine_T] = self.file.rows_of(name, row)[:, self.keep][at_T[mine_T]]
         return out_TLC.reshape(B, S, len(self.keep), -1)
 
     def token_index(self, sample_BT: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,7 @@ def load_stored_routes(
     """The route file at ``path`` checked against the training file's labelling ``data`` and the model (its
     router fingerprint, MoE layers, decoder layers, top-k, experts), the run's router ``transform`` and the term's
     form (``anchor.routes_loss``: one that reads probabilities needs a file that has them)."""
-    routes = load_routes(path)
+    routes = open_routes(path)
     problems = file_problems(routes, data, routers_sha256, transform, path)
     if routes_loss in ROUTES_LOSSES_WITH_PROBS and not routes.has_probs:
         problems.append(
@@ -161,6 +162,10 @@ def load_stored_routes(
     form = routes_loss_form(routes_loss, routes.has_probs)
     keep = _keep(routes.width, moe_layers, num_layers)
     return StoredRoutes(routes, keep, top_k, str(path), routes.metadata.get("engine"), form)
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(path.iterdir()) if path.is_dir() else [path]
 
 
 def _keep(width: int, moe_layers: list[int], num_layers: int) -> list[int]:

@@ -64,7 +64,6 @@ def _method_record(anchor) -> dict:
     checkpoint written before they existed still resumes), and a route file by its sha256 (it may move; what it
     holds may not)."""
     from rpb.anchors import METHODS
-    from rpb.data import file_sha256
 
     record = dataclasses.asdict(anchor)
     for name in ("trained_base", "target"):  # recorded only where set, as checkpoints written before them had none
@@ -74,7 +73,9 @@ def _method_record(anchor) -> dict:
     if method is None or method.teacher is None:
         return {k: v for k, v in record.items() if k not in TEACHER_FIELDS}
     if record.get("routes"):
-        record["routes"] = file_sha256(record["routes"])
+        from rpb.replay.routeshards import routes_sha256
+
+        record["routes"] = routes_sha256(record["routes"])
     if record.get("base") == "routes":
         # the stored-routes form by name, its default included: a checkpoint written before the bucket form became
         # the default for files with probabilities has none, and is not resumed under another term
@@ -88,9 +89,9 @@ def _default_form(routes: str) -> str:
     """The form ``anchor.routes_loss`` left unset gives the route file: ``bucket`` where it holds probabilities,
     ``hinge`` where it holds ids alone (its header read, not its tensors)."""
     from rpb.losses import routes_loss_form
-    from rpb.replay.routefile import read_header
+    from rpb.replay.routeshards import open_routes
 
-    return routes_loss_form(None, "probs" in read_header(routes)[1])
+    return routes_loss_form(None, open_routes(routes).has_probs)
 
 
 def _as_now(saved: dict, record: dict) -> dict:

@@ -237,7 +237,7 @@ def anchor_problems(anchor: AnchorConfig, prior: str | None, where: str = "") ->
     if prior and not Path(prior).is_file():
         out.append(f"{where}prior: {prior} does not exist")
     routes = anchor.routes if method is not None and method.teacher and anchor.base == "routes" else None
-    if routes and not Path(routes).is_file():
+    if routes and not Path(routes).exists():  # a route file, or a shard directory
         out.append(f"{where}anchor.routes: {anchor.routes} does not exist")
     return out
 

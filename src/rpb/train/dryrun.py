@@ -222,7 +222,7 @@ def _base(cfg: RunConfig, data, problems: list[str]) -> str | None:
         if cfg.lora.enabled:
             return "online: the model with its LoRA adapters disabled (no second copy)"
         return None if found else f"online: a frozen copy of {cfg.model} ({cfg.anchor.base_dtype or cfg.train.dtype})"
-    if not cfg.anchor.routes or not Path(cfg.anchor.routes).is_file():
+    if not cfg.anchor.routes or not Path(cfg.anchor.routes).exists():
         return None  # named by validate
     return _stored_routes(cfg, data, problems)
 
