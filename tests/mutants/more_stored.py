@@ -144,3 +144,36 @@ MUTANTS += (
         tests=(SHARDS,),
     ),
 )
+
+MUTANTS += (
+    Mutant(
+        name="hinge_margin_sign_flipped",
+        story="the ids-alone hinge measures the base's weakest expert above its strongest rival: active where the "
+        "rule keeps the base's set, 0 where it loses it",
+        path="losses.py",
+        function="routing_kd_hinge",
+        pattern=r"\(rival_T - weakest_T\)\.clamp_min\(0\)",
+        replacement="(weakest_T - rival_T).clamp_min(0)",
+        tests=(f"{METHODS}::test_the_ids_alone_hinge_is_the_rules_margin_worked_by_hand",),
+    ),
+    Mutant(
+        name="hinge_ignores_the_correction_bias",
+        story="the ids-alone hinge ranks a sigmoid router's experts without its expert-correction bias: not the "
+        "rule DeepSeek-V3 selects by, so it holds sets the model would not choose",
+        path="losses.py",
+        function="selection_scores",
+        pattern=r"return s_TE if expert_bias_E is None else s_TE \+ expert_bias_E\.float\(\)",
+        replacement="return s_TE",
+        tests=(f"{METHODS}::{HINGE_GROUPS}",),
+    ),
+    Mutant(
+        name="hidden_kd_reads_the_models_own_hidden_states",
+        story="hidden-kd compares each router's input with itself rather than with the base's: a term of 0 that "
+        "holds nothing",
+        path="anchors/handle.py",
+        function="AnchorHandle._base_routing_into",
+        pattern=r"state\.base_hidden_TH = base\.hidden_LTH\[pos\]\.to\(device\)",
+        replacement="state.base_hidden_TH = state.hidden_TH.detach()",
+        tests=(f"{CONTROLS}::test_hidden_kd_is_the_relative_drift_of_each_routers_input_from_the_bases",),
+    ),
+)

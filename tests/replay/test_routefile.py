@@ -91,6 +91,10 @@ def test_a_broken_file_is_refused_with_every_problem(tmp_path):
     save_file(tensors, str(tmp_path / "plain.safetensors"))
     with pytest.raises(RouteFileError, match="not an rpb route file"):
         load_routes(tmp_path / "plain.safetensors")
+    whole = (tmp_path / "r.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(whole[: len(whole) - 3])  # a copy cut short
+    with pytest.raises(RouteFileError, match=r"not a readable safetensors file \(tensor '\w+': bytes"):
+        load_routes(tmp_path / "cut.safetensors")
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     with pytest.raises(RouteFileError, match="not a readable safetensors file"):
         load_routes(tmp_path / "junk.safetensors")

@@ -52,6 +52,11 @@ def test_shards_are_the_single_file_to_every_reader_and_a_killed_run_resumes(set
         "rows-000000000010-000000000012.safetensors",
     ]
     assert not (tmp_path / "sharded.partial").exists()
+    monkeypatch.setattr(hf_routes, "_save", saved)
+    assert main(routes_cmd(setup, tmp_path / "whole", "--chunk-rows", "5")) == 0  # never killed
+    files = sorted(p.name for p in sharded.iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "whole").iterdir()) and len(files) == 4
+    assert all((sharded / f).read_bytes() == (tmp_path / "whole" / f).read_bytes() for f in files)
     index = json.loads((sharded / INDEX).read_text())
     assert [s["rows"] for s in index["shards"]] == [[0, 5], [5, 10], [10, 12]]
     one, shards = open_routes(single), open_routes(sharded)
