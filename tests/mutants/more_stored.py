@@ -81,7 +81,7 @@ MUTANTS += (
     ),
 )
 
-CONTROLS = "tests/teacher/test_controls.py"
+CONTROLS = "tests/anchors/test_methods_controls.py"
 
 MUTANTS += (
     Mutant(
@@ -120,7 +120,7 @@ MUTANTS += (
     ),
 )
 
-SHARDS = "tests/teacher/test_route_shards.py::test_shards_are_the_single_file_to_every_reader_and_a_killed_run_resumes"
+SHARDS = "tests/replay/test_routeshards.py::test_shards_are_the_single_file_to_every_reader_and_a_killed_run_resumes"
 
 MUTANTS += (
     Mutant(

@@ -55,7 +55,9 @@ def test_stored_routes_train_and_what_they_cannot_serve_is_refused(setup, tmp_pa
                f'data.mix=[{{"path": "{extra}", "share": 0.25}}]')  # fmt: skip
     with pytest.raises(ConfigError, match=r"anchor.routes: required by anchor.base=routes"):
         config(setup, tmp_path / "x", "routing-kd", "anchor.base=routes")
-    with pytest.raises(ConfigError, match=r"anchor.routes: read only by routing-kd and output-kd"):
+    with pytest.raises(
+        ConfigError, match=r"anchor.routes: read only by the methods with a base \(routing-kd, output-kd"
+    ):
         config(setup, tmp_path / "x", "kl-to-base", f"anchor.routes={routes}")
 
 

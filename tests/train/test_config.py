@@ -65,9 +65,11 @@ def test_a_setting_the_method_never_reads_is_refused_naming_who_reads_it(tmp_pat
                            "anchor.method=sft", "anchor.lambda=0.1", "anchor.lbl_coef=0.01",
                            "anchor.base_dtype=bfloat16"])  # fmt: skip
     assert e.value.problems == [
-        "anchor.lambda: read only by router-l2, kl-to-base, logit-l2, routing-kd, output-kd, not by 'sft'",
+        "anchor.lambda: read only by router-l2, kl-to-base, logit-l2, routing-kd, output-kd, routing-kd-router, "
+        "hidden-kd, not by 'sft'",
         "anchor.lbl_coef: read only by lbl, not by 'sft'",
-        "anchor.base_dtype: read only by routing-kd and output-kd, not by 'sft'",
+        "anchor.base_dtype: read only by the methods with a base (routing-kd, output-kd, routing-kd-router, "
+        "hidden-kd), not by 'sft'",
     ]
     assert load_config(None, [f"data_jsonl={data}", "model=m", "output_dir=o", "anchor.method=kl-to-base",
                               "anchor.lambda=0.1", "train.max_seq_len=64"]).anchor.lambda_ == 0.1  # fmt: skip

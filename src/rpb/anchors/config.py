@@ -106,7 +106,10 @@ class AnchorConfig:
         if teacher is None:
             unused = [f for f in ("routes", "base_dtype") if getattr(self, f) is not None]
             unused += ["trained_base"] if self.trained_base else []
-            out += [f"anchor.{f}: read only by routing-kd and output-kd, not by {self.method!r}" for f in unused]
+            readers = ", ".join(m.name for m in METHODS.values() if m.teacher)
+            out += [
+                f"anchor.{f}: read only by the methods with a base ({readers}), not by {self.method!r}" for f in unused
+            ]
             return out
         if self.base == "routes":
             if self.method == "hidden-kd":

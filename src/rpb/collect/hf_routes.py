@@ -214,10 +214,16 @@ def write_route_shards(
     template = ChatTemplate(load_tokenizer(tokenizer_id), chat_template_kwargs)
     rows = scan_rows(data_jsonl, template, max_seq_len, KEEP_TOKENS)  # every bad row refused at once
     run = {
-        "num_rows": rows.num_rows, "data_sha256": rows.sha256, "model": str(model_id), "tokenizer": tokenizer_id,
-        "max_seq_len": max_seq_len, "chat_template_kwargs": chat_template_kwargs, "probs_transform": probs_transform,
-        "top_m": top_m, "kind": "routes",
-    }  # fmt: skip
+        "num_rows": rows.num_rows,
+        "data_sha256": rows.sha256,
+        "model": str(model_id),
+        "tokenizer": tokenizer_id,
+        "max_seq_len": max_seq_len,
+        "chat_template_kwargs": chat_template_kwargs,
+        "probs_transform": probs_transform,
+        "top_m": top_m,
+        "kind": "routes",
+    }
     WorkDir(out_dir, run, chunk_rows).check()  # a mismatched interrupted run is refused before the model loads
     with ranks() as rk:
         at = str(resolve_device(device, rk.local_rank))
@@ -228,8 +234,18 @@ def write_route_shards(
         with missing_chunks(store, rk, "to route") as todo:
             for a, b in todo:
                 examples = label_range(rows, template, max_seq_len, a, b)
-                _save(store.chunk_path(a, b), model, examples, pad_id, batch_size, adapter, transform, top_m,
-                      model_id, rows.sha256)  # fmt: skip
+                _save(
+                    store.chunk_path(a, b),
+                    model,
+                    examples,
+                    pad_id,
+                    batch_size,
+                    adapter,
+                    transform,
+                    top_m,
+                    model_id,
+                    rows.sha256,
+                )
         if rk.main:
             _finish(store, Path(out_dir))
         rk.barrier()

@@ -69,8 +69,11 @@ class RouteShards(RowReads):
         first = parts[0].stated
         total = sum(p.stated["routes"].shape[0] for p in parts)
         tokens = sum(p.stated["token_ids"].shape[0] for p in parts)
-        self.stated = {name: replace(t, shape=torch.Size((tokens if name == "token_ids" else total, *t.shape[1:])))
-                       for name, t in first.items() if name not in ("route_offsets", "token_offsets")}  # fmt: skip
+        self.stated = {
+            name: replace(t, shape=torch.Size((tokens if name == "token_ids" else total, *t.shape[1:])))
+            for name, t in first.items()
+            if name not in ("route_offsets", "token_offsets")
+        }
 
     num_rows = property(lambda self: self._num_rows)
     has_probs = property(lambda self: self.parts[0].has_probs)

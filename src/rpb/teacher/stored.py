@@ -179,8 +179,10 @@ def _extra_problems(routes: RouteFile, row: int, moe_layers, num_layers: int, nu
         return []
     ids = routes.extra(row)[0][:, _keep(routes.width, moe_layers, num_layers)]
     if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < num_experts):
-        return [f"{path}: row {row}'s extra_ids run from {int(ids.min())} to {int(ids.max())}, outside the model's "
-                f"{num_experts} experts"]  # fmt: skip
+        return [
+            f"{path}: row {row}'s extra_ids run from {int(ids.min())} to {int(ids.max())}, outside the model's "
+            f"{num_experts} experts"
+        ]
     return []
 
 

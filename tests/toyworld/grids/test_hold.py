@@ -87,7 +87,7 @@ def test_each_arm_reads_its_own_selection_and_the_mixed_one_the_online_weight(tm
         "kl-to-base": "kl-to-base", "mix": None, "mix + routing-kd": "routing-kd", "rpb": None,
     }  # fmt: skip
     assert study.selected_keys() == ["output-kd", "routing-kd", ROUTES_SELECTION]  # kl-to-base is fixed
-    assert dict(study.selection_arm(ROUTES_SELECTION).anchor) == {"base": "routes"}
+    assert dict(study.selection_arm(ROUTES_SELECTION).anchor) == {"base": "routes", "routes_loss": "set-ce"}
 
 
 def test_the_mixing_rows_are_training_questions_no_evaluation_or_probe_question_repeats(tmp_path):

@@ -13,11 +13,19 @@ from rpb.cli import main
 from rpb.collect.from_routes import collect_from_routes
 from rpb.replay.routefile import RouteFileError
 from rpb.replay.routeshards import INDEX, RouteShards, open_routes
+from rpb.testing.data import conversations, write_jsonl
 from rpb.train.run import prepare_run
 from tests.teacher.conftest import MAX_LEN, config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAMES = ("routes", "probs", "extra_ids", "extra_probs", "token_ids")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, save_tiny):
+    """The teacher tests' model and rows (``tests.teacher.conftest``): a tiny Moonlight, 12 conversations."""
+    tmp = tmp_path_factory.mktemp("shards")
+    return save_tiny("moonlight"), write_jsonl(conversations(12, seed=5), tmp / "train.jsonl"), None, tmp
 
 
 def routes_cmd(setup, out, *more) -> list[str]:
