@@ -5,9 +5,10 @@ a rerun completes (``rpb.fileio.output_folder``)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
@@ -18,9 +19,29 @@ from rpb.collect import collect
 from rpb.errors import ArgumentError
 from rpb.testing.data import conversations, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "workers" / "kill_worker.py"
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+#: the killed runs are forked from this process: what they import is imported already (a fresh interpreter would
+#: spend seconds on torch and transformers before the point it is killed at)
+FORK = multiprocessing.get_context("fork")
+
+
+def killed_while_publishing(point: str, out: Path, args: list[str]) -> None:
+    """In a forked child: ``rpb`` run on ``args``, killed by SIGKILL (no cleanup runs) while it publishes ``out``.
+    ``before-publish``: every file written into the temporary folder, nothing renamed; ``mid-swap``: the previous
+    folder renamed away, the new one not yet in its place. Only renames that touch ``out``'s name count."""
+    real_replace, calls = os.replace, []
+
+    def replace(src, dst, *a, **kw):
+        if out.name in os.path.basename(os.fspath(src)) or out.name in os.path.basename(os.fspath(dst)):
+            calls.append((src, dst))
+            if len(calls) == {"before-publish": 1, "mid-swap": 2}[point]:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real_replace(src, dst, *a, **kw)
+
+    os.replace = replace
+    sys.exit(main(args))
 
 
 def snapshot(folder: Path) -> dict[str, bytes] | None:
@@ -44,11 +65,11 @@ def test_a_killed_publish_leaves_the_previous_result_or_none(command, save_tiny,
         first, second = [*base, "--max-rows", "4"], [*base, "--max-rows", "6", "--post", str(model)]
     assert main(first) == 0
     previous = snapshot(out)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
     for point, expected in (("before-publish", previous), ("mid-swap", None)):
-        killed = subprocess.run([sys.executable, str(WORKER), point, str(out), *second],
-                                env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert killed.returncode == -9, killed.stderr[-2000:]
+        child = FORK.Process(target=killed_while_publishing, args=(point, out, second))
+        child.start()
+        child.join(300)
+        assert child.exitcode == -signal.SIGKILL, child.exitcode
         assert snapshot(out) == expected, point  # the previous result whole, or no folder
         if expected is None:  # put the previous result back for the next point
             assert main(first) == 0

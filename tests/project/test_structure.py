@@ -372,7 +372,7 @@ def test_a_script_run_by_path_shares_its_folder_with_no_package():
     one of its name: tests/kernels (mirroring rpb.kernels) hid Hugging Face's kernels from transformers in
     the workers that once sat in tests/."""
     scripts = scripts_run_by_path()
-    assert {"resume_worker.py", "kill_worker.py", "fsdp_worker.py"} <= {p.name for p in scripts}
+    assert {"resume_worker.py", "fsdp_worker.py"} <= {p.name for p in scripts}
     crowded = [
         f"{s.relative_to(TESTS)} beside {d.name}/"
         for s in scripts
