@@ -98,10 +98,14 @@ from rpb.integrations.megatron.figures import RoutingFigures
 from rpb.integrations.megatron.layout import router_rows
 
 # topk_routing_function is re-exported: install.py imports it from here
-from rpb.integrations.megatron.topk_hook import forced_topk, megatron_select, topk_routing_function  # noqa: F401
+from rpb.integrations.megatron.topk_hook import (  # noqa: F401
+    forced_topk,
+    megatron_select,
+    selection_spec,
+    topk_routing_function,
+)
 from rpb.losses import routes_loss_form
 from rpb.prior import STRUCTURAL, family_transform
-from rpb.routing import RouterSpec
 from rpb.teacher.routing import BaseRouting
 
 
@@ -133,23 +137,6 @@ class MegatronRouter:
     def hf_layer_index(self) -> int:
         """The 0-based decoder-layer index (Megatron numbers layers from 1)."""
         return self.layer_number - 1
-
-    def selection_spec(self) -> RouterSpec:
-        """The router's selection rule as ``rpb.routing`` states it (what the ids-alone hinge reads). Megatron
-        scores a group by the sum of its ``topk / group_topk`` best experts: DeepSeek-V3's top-2 sum at top-8 of 4
-        groups; another count the hinge cannot state, and it is refused by name."""
-        m, c = self.module, self.module.config
-        groups, group_topk = c.moe_router_num_groups or 1, c.moe_router_group_topk or 1
-        scoring = None
-        if groups > 1:
-            if m.topk // group_topk != 2:
-                raise MegatronAnchorError(
-                    f"router {self.name}: groups scored by their {m.topk // group_topk} best experts (topk "
-                    f"{m.topk} / moe_router_group_topk {group_topk}); anchor.routes_loss=hinge states the top-2 sum "
-                    "alone: use set-ce, or routes with probabilities (bucket)"
-                )
-            scoring = "top2-sum"
-        return RouterSpec(m.score_function, m.topk, int(m.weight.shape[0]), scoring, groups, group_topk)
 
     def base_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The base copies on ``device`` (``gating`` may move the weights to CUDA after install)."""
@@ -371,7 +358,7 @@ class MegatronAnchorHandle(RoutingFigures):
         if "base_routing" in anchor.reads:
             take_stored(state, ctx.base, r.pos, logits_TE.device, self.config.routes_loss)
             if routes_loss_form(self.config.routes_loss, ctx.base.probs_LTK is not None) == "hinge":
-                state.spec, state.expert_bias_E = r.selection_spec(), r.module.expert_bias
+                state.spec, state.expert_bias_E = selection_spec(r.module, r.name), r.module.expert_bias
         # every rank computed the whole term; each contributes 1 / tp (module doc)
         term = self._share(anchor.term(state))
         # computed on every call, so a recomputed forward saves exactly what the first one did

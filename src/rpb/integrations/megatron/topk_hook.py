@@ -25,6 +25,8 @@ import contextlib
 import torch
 from torch import nn
 
+from rpb.routing import RouterSpec
+
 
 class _CaptureTopK:
     """Runs Megatron's own top-k and keeps the indices it chose."""
@@ -54,6 +56,26 @@ def topk_routing_function():
     from megatron.core.transformer.moe import router as router_module
 
     return router_module.topk_routing_with_score_function
+
+
+def selection_spec(router: nn.Module, name: str) -> RouterSpec:
+    """A ``TopKRouter``'s selection rule as ``rpb.routing`` states it (what the ids-alone hinge reads). Megatron scores
+    a group by the sum of its ``topk / group_topk`` best experts: DeepSeek-V3's top-2 sum at top-8 of 4 groups;
+    another count the hinge cannot state, and it is refused by name (``name``: the router's, for the message)."""
+    from rpb.errors import ArgumentError
+
+    c = router.config
+    groups, group_topk = c.moe_router_num_groups or 1, c.moe_router_group_topk or 1
+    scoring = None
+    if groups > 1:
+        if router.topk // group_topk != 2:
+            raise ArgumentError(
+                f"router {name}: groups scored by their {router.topk // group_topk} best experts (topk "
+                f"{router.topk} / moe_router_group_topk {group_topk}); anchor.routes_loss=hinge states the top-2 "
+                "sum alone: use set-ce, or routes with probabilities (bucket)"
+            )
+        scoring = "top2-sum"
+    return RouterSpec(router.score_function, router.topk, int(router.weight.shape[0]), scoring, groups, group_topk)
 
 
 def megatron_select(router: nn.Module, logits_TE: torch.Tensor) -> torch.Tensor:
