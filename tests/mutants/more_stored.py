@@ -170,8 +170,8 @@ MUTANTS += (
         name="hidden_kd_reads_the_models_own_hidden_states",
         story="hidden-kd compares each router's input with itself rather than with the base's: a term of 0 that "
         "holds nothing",
-        path="anchors/handle.py",
-        function="AnchorHandle._base_routing_into",
+        path="anchors/base_state.py",
+        function="base_into",
         pattern=r"state\.base_hidden_TH = base\.hidden_LTH\[pos\]\.to\(device\)",
         replacement="state.base_hidden_TH = state.hidden_TH.detach()",
         tests=(f"{CONTROLS}::test_hidden_kd_is_the_relative_drift_of_each_routers_input_from_the_bases",),

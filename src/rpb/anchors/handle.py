@@ -34,9 +34,10 @@ from rpb.adapters import (
     router_spec,
 )
 from rpb.adapters.hf import expert_bias_of
+from rpb.anchors.base_state import base_into
 from rpb.anchors.config import AnchorConfig
 from rpb.anchors.context import TokenContext
-from rpb.anchors.methods import Method, RouterState, get_method, take_stored
+from rpb.anchors.methods import Method, RouterState, get_method
 from rpb.anchors.overlap import OverlapCounts
 from rpb.anchors.prior_routing import PriorRouting
 from rpb.anchors.stats import LayerStats
@@ -266,31 +267,8 @@ class AnchorHandle:
         return term, state.active_T
 
     def _base_routing_into(self, state: RouterState, layer: _Layer, logits_TE: torch.Tensor) -> None:
-        base = self._context.base
-        if base is None:
-            raise RuntimeError(
-                f"{self.method.name}: this step carries no base routing; the trainer runs the base before the "
-                "training forward (rpb's AnchorTrainer and TRL trainers do). In a loop of your own: "
-                "ctx.base = handle.base_routing(batch, sample_index_BT) inside handle.step(...)"
-            )
         pos = next(i for i, lay in enumerate(self.layers) if lay is layer)
-        if base.num_tokens != logits_TE.shape[0]:
-            raise RuntimeError(
-                f"{self.method.name}: the base's routing covers {base.num_tokens} tokens, router {layer.moe.name} "
-                f"saw {logits_TE.shape[0]}: it was made for another batch"
-            )
-        device = logits_TE.device
-        if "base_hidden" in self.method.loss.reads:
-            if base.hidden_LTH is None:
-                raise RuntimeError(
-                    f"{self.method.name}: the base's routing of this step carries no hidden states; the online "
-                    "base gives them (handle.base_routing asks for them), stored routes cannot"
-                )
-            state.base_hidden_TH = base.hidden_LTH[pos].to(device)
-        if base.logits_LTE is not None:
-            state.routing_logits_TE = base.logits_LTE[pos].to(device)
-        else:
-            take_stored(state, base, pos, device, self.config.routes_loss)
+        base_into(state, self._context.base, pos, self.method, self.config.routes_loss, layer.moe.name, logits_TE)
 
     @torch.no_grad()
     def _record(self, pos: int, ids_TK, native_ids_TK, valid_T, content_T, term, hidden) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from rpb.prior import STRUCTURAL
 from rpb.prior.artifact import ROUTED_ALL_POSITIONS
+from rpb.teacher.routing import BaseRouting
 
 #: Routed-position rules: ``ROUTED_ALL_POSITIONS`` is the collector's (every position of the
 #: right-truncated sequence, recorded in the prior's metadata). Megatron's stock SFT datasets
@@ -101,3 +102,23 @@ def routed_position_problems(prior_rule: str | None, run_rule: str, rows: list[t
             f"position to the model (rpb's Megatron dataset does) or end each row with a structural token"
         ]
     return [f"routed_positions: the prior was collected under {prior_rule!r}, this run routes {run_rule!r}"]
+
+
+def stored_rows(ids_BSLK, probs_BSLK, extra_BSLJ, tp_rank: int, tp_size: int) -> BaseRouting:
+    """A micro-batch's stored routes (``[B, S, L, K]`` ids, probabilities or None, a ``--top-m`` file's extra experts
+    or None) laid out as the routers' rows, ``[L, T, K]`` each (``router_rows``; ``tp_size`` 1: the whole
+    micro-batch's rows, as under sequence parallelism the term reads them gathered)."""
+
+    def rows(x_BSLK):  # any width K
+        K = x_BSLK.shape[-1]
+        per = [
+            torch.stack([router_rows(x_BSLK[:, :, pos, k], tp_rank, tp_size, False) for k in range(K)], -1)
+            for pos in range(x_BSLK.shape[2])
+        ]
+        return torch.stack(per)
+
+    probs = None if probs_BSLK is None else rows(probs_BSLK.float())
+    base = BaseRouting(ids_LTK=rows(ids_BSLK.long()), probs_LTK=probs)
+    if extra_BSLJ is not None:
+        base.extra_ids_LTJ, base.extra_probs_LTJ = rows(extra_BSLJ[0].long()), rows(extra_BSLJ[1].float())
+    return base

@@ -95,7 +95,7 @@ from rpb.anchors.methods import Method, RouterState, take_stored
 from rpb.anchors.prior_routing import PriorRouting
 from rpb.errors import RpbError
 from rpb.integrations.megatron.figures import RoutingFigures
-from rpb.integrations.megatron.layout import router_rows
+from rpb.integrations.megatron.layout import router_rows, stored_rows
 
 # topk_routing_function is re-exported: install.py imports it from here
 from rpb.integrations.megatron.topk_hook import (  # noqa: F401
@@ -215,21 +215,7 @@ class MegatronAnchorHandle(RoutingFigures):
                 f"{tuple(sample_BS.shape)} of {len(self.routers)} routers"
             )
         tp_rank, tp_size = (0, 1) if self._split else (self.tp_rank, self.tp_size)
-
-        def rows(x_BSLK):  # [B, S, L, K] -> [L, T, K] in router row order (any width K)
-            per = [
-                torch.stack(
-                    [router_rows(x_BSLK[:, :, pos, k], tp_rank, tp_size, False) for k in range(x_BSLK.shape[-1])], -1
-                )
-                for pos in range(L)
-            ]
-            return torch.stack(per)
-
-        probs = None if probs_BSLK is None else rows(probs_BSLK.float())
-        base = BaseRouting(ids_LTK=rows(ids_BSLK.long()), probs_LTK=probs)
-        if extra_BSLJ is not None:
-            base.extra_ids_LTJ, base.extra_probs_LTJ = rows(extra_BSLJ[0].long()), rows(extra_BSLJ[1].float())
-        return base
+        return stored_rows(ids_BSLK, probs_BSLK, extra_BSLJ, tp_rank, tp_size)
 
     def clear(self) -> None:
         self._context = None
