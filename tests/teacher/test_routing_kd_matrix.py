@@ -125,17 +125,22 @@ def test_stored_routing_kd_is_the_hand_set_cross_entropy_and_top_k_kl(name, fami
     sigmoid = facts.score_function == "sigmoid"
     valid_T = batch["attention_mask"].reshape(-1).bool()
     # ids alone (the set cross-entropy, by name: the hinge, the default there, has its own test below), the
-    # probabilities renormalised over the k (topk-kl), and with the bucket (the default where probabilities are stored)
-    for with_probs, form in ((False, "set-ce"), (True, "topk-kl"), (True, None)):
+    # probabilities renormalised over the k (topk-kl), and with the bucket (the default where probabilities are
+    # stored), from a plain --with-probs file and from a --top-m k one (extra tensors with no columns)
+    for with_probs, form, top_m in ((False, "set-ce", None), (True, "topk-kl", None), (True, None, None),
+                                    (True, None, top_k)):  # fmt: skip
         handle.config.routes_loss = form
-        path = tmp / f"routes-{with_probs}.safetensors"
+        path = tmp / f"routes-{with_probs}{'' if top_m is None else f'-top{top_m}'}.safetensors"
         if not path.is_file():
-            write_routes(str(model_dir), data, path, MAX_LEN, probs_transform="family" if with_probs else None)
+            transform = "family" if with_probs else None
+            write_routes(str(model_dir), data, path, MAX_LEN, probs_transform=transform, top_m=top_m)
         handle.teacher = load_stored_routes(
             path, labelled, routers_sha256=fingerprint, moe_layers=[m.layer_index for m in layers],
             num_layers=model.config.get_text_config().num_hidden_layers, top_k=top_k,
             num_experts=int(layers[0].router.weight.shape[0]), transform=handle.router_transform,
         )  # fmt: skip
+        if top_m is not None:  # no extra columns: read as the plain file, here and on Megatron's path
+            assert handle.teacher.extra_BSLJ(batch["rpb_sample_index"]) is None
         seen = {}
         hooks = [m.moe.router.register_forward_hook(lambda mod, a, out, p=p, seen=seen: seen.__setitem__(p, out))
                  for p, m in enumerate(handle.layers)]  # fmt: skip
@@ -163,7 +168,7 @@ def test_stored_routing_kd_is_the_hand_set_cross_entropy_and_top_k_kl(name, fami
                 per_layer.append(-log_p_TK.mean(-1).mean())
         hand = LAMBDA * torch.stack(per_layer).mean()
         assert float(term.detach()) == pytest.approx(float(hand), rel=1e-4), (
-            f"{name}, probabilities stored: {with_probs}, {form or 'default'}"
+            f"{name}, probabilities stored: {with_probs}, {form or 'default'}, top-m {top_m}"
         )
     handle.remove()
     # the bucket form on the base itself (the model not moved): 0 to float precision, on every family

@@ -30,6 +30,7 @@ def test_every_grid_module_declares_one_grid_found_by_its_name():
         "full",
         "headline",
         "hold",
+        "hold-stored",
         "hold-target",
         "revert",
         "rl",

@@ -58,6 +58,12 @@ class StoredRoutes:
     def top_m(self) -> int:
         return self.file.top_m
 
+    @property
+    def extra_columns(self) -> bool:
+        """Whether the file stores experts after the top-k: a ``--top-m k`` file has the tensors with no columns,
+        and reads as the top-k with probabilities (the same bucket, term for term)."""
+        return self.file.has_extra and self.top_m > self.top_k
+
     def describe(self) -> dict:
         return {
             "source": "routes",
@@ -76,7 +82,7 @@ class StoredRoutes:
         base = BaseRouting(ids_LTK=lay(self.gather("routes", sample).long()))
         if self.with_probs:
             base.probs_LTK = lay(self.gather("probs", sample))
-        if self.file.has_extra:
+        if self.extra_columns:
             base.extra_ids_LTJ = lay(self.gather("extra_ids", sample).long())
             base.extra_probs_LTJ = lay(self.gather("extra_probs", sample))
         return base
@@ -90,7 +96,7 @@ class StoredRoutes:
     def extra_BSLJ(self, sample_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A ``--top-m`` file's extra experts of a ``[B, S]`` batch's tokens, ``(ids_BSLJ, probs_BSLJ)`` (None: the
         file stores the top-k alone); the Megatron path's ``set_micro_batch(base_extra_BSLJ=...)``."""
-        if not self.file.has_extra:
+        if not self.extra_columns:
             return None
         return self.gather("extra_ids", sample_BS.cpu()).long(), self.gather("extra_probs", sample_BS.cpu())
 

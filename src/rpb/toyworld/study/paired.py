@@ -23,6 +23,17 @@ from rpb.toyworld.study.grid import Arm
 SHIPPED_RESULTS = Path(__file__).resolve().parents[4] / "docs" / "results"
 
 
+def shipped_base(study: Study, shipped_results: Path, grid: str) -> Path | None:
+    """``grid``'s shipped folder of ``study``'s base, if it pins the same base weights and recipe as ``study``'s
+    (its ``grid.json``, written before any cell)."""
+    base = shipped_results / grid / study.out.name
+    pinned = base / "grid.json"
+    if not pinned.is_file():
+        return None
+    theirs, ours = json.loads(pinned.read_text()), json.loads((study.out / "grid.json").read_text())
+    return base if all(theirs.get(k) == ours.get(k) for k in ("post_recipe", "base_sha256")) else None
+
+
 @dataclass
 class PairedStudy(Study):
     """A ``Study`` that takes its probability arms' cells from the shipped paired grid when it pins the same set-up
@@ -33,12 +44,8 @@ class PairedStudy(Study):
     def paired_cell(self, post_set: str, arm: Arm, seed: int) -> Path | None:
         """The paired grid's result file for this cell, if it ships one on this base with the same pinned base
         weights and recipe."""
-        base = self.shipped_results / self.grid.paired_grid / self.out.name
-        pinned = base / "grid.json"
-        if arm.prior_kind != "probability" or not pinned.is_file():
-            return None
-        theirs, ours = json.loads(pinned.read_text()), json.loads((self.out / "grid.json").read_text())
-        if any(theirs.get(k) != ours.get(k) for k in ("post_recipe", "base_sha256")):
+        base = shipped_base(self, self.shipped_results, self.grid.paired_grid)
+        if arm.prior_kind != "probability" or base is None:
             return None
         cell = base / "runs" / post_set / arm.slug / f"seed{seed}" / "result.json"
         return cell if cell.is_file() else None
