@@ -148,7 +148,12 @@ def _by_base(cells: list[dict], key: str) -> dict[int, list[float]]:
     return {b: [_figure_of(r, key) for r in cells if r.get("base", 0) == b] for b in bases}
 
 
-def hold_figure(results: list[dict], sets: tuple[str, ...], arms: tuple[str, ...]):
+def hold_figure(
+    results: list[dict],
+    sets: tuple[str, ...],
+    arms: tuple[str, ...],
+    title: str = "Grid `hold`: keeping the routing against keeping what the base knew",
+):
     """Per set, each cell's top-k overlap with the base (x) against its OOD exact match (y), and each arm's mean
     with the 95% interval of its mean across bases and seeds (the two-stage bootstrap) on both axes."""
     with _style():
@@ -177,7 +182,6 @@ def hold_figure(results: list[dict], sets: tuple[str, ...], arms: tuple[str, ...
         axes[0].set_ylabel("out-of-domain exact match (%)")
         handles, labels = axes[0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="outside right center", frameon=False)
-        title = "Grid `hold`: keeping the routing against keeping what the base knew"
         fig.suptitle(f"{title}\neach cell, and each arm's mean with its 95% interval (bases, then seeds)")
     return fig
 

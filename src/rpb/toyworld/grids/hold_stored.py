@@ -261,7 +261,7 @@ def report_hold_stored(grid, studies: list, results: list[dict], out: Path) -> s
     """The report across the bases (``rpb.toyworld.grids.hold_stored_report``)."""
     from rpb.toyworld.grids.hold_stored_report import write_hold_stored_report
 
-    return write_hold_stored_report(grid, studies, results, out, judge_hold_stored)
+    return write_hold_stored_report(grid, studies, results, out, judge_hold_stored, OVERLAP_MARGIN, OOD_MARGIN)
 
 
 GRID = Grid(
