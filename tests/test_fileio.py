@@ -7,6 +7,8 @@ import os
 import stat
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from rpb.fileio import atomic_path, write_json_atomic, write_text_atomic
 
@@ -23,6 +25,8 @@ def test_files_and_directories_land_whole_with_ordinary_permissions(tmp_path):
     umask = os.umask(0o022)
     try:
         write_json_atomic(tmp_path / "a" / "b.json", {"x": [1, 2]})
+        with atomic_path(tmp_path / "a" / "t.safetensors") as tmp:  # a writer that makes its file anew
+            save_file({"t": torch.zeros(2)}, str(tmp))
         with atomic_path(tmp_path / "model", directory=True) as tmp:
             (tmp / "weights").write_text("w")
             assert not (tmp_path / "model").exists()
@@ -31,7 +35,8 @@ def test_files_and_directories_land_whole_with_ordinary_permissions(tmp_path):
     assert json.loads((tmp_path / "a" / "b.json").read_text()) == {"x": [1, 2]}
     assert (tmp_path / "model" / "weights").read_text() == "w"
     # not mkstemp's private 0600 / 0700: other processes (other users, other nodes) read them
-    assert stat.S_IMODE((tmp_path / "a" / "b.json").stat().st_mode) & 0o044 == 0o044
+    for written in ("b.json", "t.safetensors"):
+        assert stat.S_IMODE((tmp_path / "a" / written).stat().st_mode) & 0o044 == 0o044, written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "model"]
 
 

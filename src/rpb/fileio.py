@@ -42,9 +42,10 @@ def atomic_path(path: str | Path, *, tmp_dir: str | Path | None = None, director
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=where)
         os.close(fd)
         tmp = Path(name)
-        tmp.chmod(0o666 & ~_UMASK)
     try:
         yield tmp
+        if not directory:  # after the writer: one that makes the file anew (safetensors' save_file) made it 0600
+            tmp.chmod(0o666 & ~_UMASK)
         old = None
         if directory and path.exists():
             # renamed away whole (one step), never deleted in place: a kill leaves the old folder or none
