@@ -102,6 +102,16 @@ def test_holm_keeps_only_what_the_step_down_rejects():
     assert [v.holm for v in stats.holm(two)] == ["reproduces", "reproduces"]  # 0.01 <= .05/2, 0.02 <= .05/1
 
 
+def test_claims_beside_the_family_keep_their_verdict_and_take_no_part_in_its_holm():
+    family = [stats.Verdict(f"c{i}", 1.0, (0.5, 1.5), p, "reproduces") for i, p in enumerate([0.01, 0.03])]
+    outside = [stats.Verdict("o", 1.0, (0.5, 1.5), 0.001, "reproduces"), stats.not_run("o2")]
+    out = stats.holm_beside(family, outside)
+    # the family alone: 0.01 <= .05/2 and 0.03 <= .05/1, both kept; had the outside claim's p 0.001 been counted,
+    # 0.03 would face .05/2 and fall
+    assert [v.holm for v in out] == ["reproduces", "reproduces", "outside Holm", "not run"]
+    assert [v.note for v in out[2:]] == [stats.OUTSIDE_NOTE] * 2 and out[2].verdict == "reproduces"
+
+
 def _t_sf_df2(t):
     """P(T > t) for Student's t with 2 degrees of freedom, in closed form: (1 - t / sqrt(2 + t^2)) / 2."""
     return (1 - t / math.sqrt(2 + t * t)) / 2

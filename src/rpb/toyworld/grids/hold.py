@@ -42,6 +42,7 @@ import dataclasses
 import math
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
@@ -51,7 +52,7 @@ from rpb.toyworld.study.stats import (
     Verdict,
     equivalent,
     greater,
-    holm,
+    holm_beside,
     judge_paired,
     threshold_above,
 )
@@ -243,10 +244,7 @@ def judge_hold(results: list[dict], sets: tuple[str, ...]) -> list[Verdict]:
     """The grid's claims (module doc) on every set, Holm across claims 1-5, 7 and 8; claim 6 after them, unadjusted."""
     family: list[Verdict] = []
     outside: list[Verdict] = []
-
-    def judged(rule, claim, arm, reference, post_set, metric, *args):
-        return judge_paired(results, rule, claim, arm, reference, post_set, metric, *args)
-
+    judged = partial(judge_paired, results)
     for s in sets:
         # fmt: skip below: one claim a row, its rule, arms, metric and margin side by side
         family += [
@@ -264,13 +262,9 @@ def judge_hold(results: list[dict], sets: tuple[str, ...]) -> list[Verdict]:
             judged(greater, f"(8) routing-kd − kl-to-base > 0 in top-k overlap ({s})",
                    "routing-kd", "kl-to-base", s, "topk_overlap", 1),
         ]  # fmt: skip
-        v = judged(greater, f"(6) routing-kd vs output-kd ({s}, OOD)", "routing-kd", "output-kd", s, "ood", 1)
-        v.note = "reported either way, outside the Holm family"
-        outside.append(v)
-    holm(family)
-    for v in outside:
-        v.holm = "outside Holm" if v.verdict != "not run" else "not run"
-    return family + outside
+        claim = f"(6) routing-kd vs output-kd ({s}, OOD)"
+        outside.append(judged(greater, claim, "routing-kd", "output-kd", s, "ood", 1))
+    return holm_beside(family, outside)
 
 
 def report_hold(grid, studies: list, results: list[dict], out: Path) -> str:

@@ -52,6 +52,7 @@ import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from rpb.fileio import atomic_path
@@ -60,7 +61,7 @@ from rpb.toyworld.grids.hold_target import HOLD_LAMBDA
 from rpb.toyworld.study.cells import Study, _NoBar
 from rpb.toyworld.study.grid import BASES, SEEDS, STUDY_POST, Arm, Grid
 from rpb.toyworld.study.paired import SHIPPED_RESULTS, shipped_base
-from rpb.toyworld.study.stats import Verdict, equivalent, greater, holm, judge_paired, threshold_above
+from rpb.toyworld.study.stats import Verdict, equivalent, greater, holm_beside, judge_paired, threshold_above
 from rpb.toyworld.world.generators import POST_SETS
 
 #: the weights every selection of this grid tries (the ``hold`` grid's, and 100)
@@ -226,10 +227,7 @@ def judge_hold_stored(results: list[dict], sets: tuple[str, ...]) -> list[Verdic
     """The grid's claims (module doc) on every set, Holm across 1a-4; 5 and 6 after them, unadjusted."""
     family: list[Verdict] = []
     outside: list[Verdict] = []
-
-    def judged(rule, claim, arm, reference, post_set, metric, *args):
-        return judge_paired(results, rule, claim, arm, reference, post_set, metric, *args)
-
+    judged = partial(judge_paired, results)
     for s in sets:
         # fmt: skip below: one claim a row, its rule, arms, metric and margin side by side
         family += [
@@ -250,11 +248,7 @@ def judge_hold_stored(results: list[dict], sets: tuple[str, ...]) -> list[Verdic
             judged(greater, f"(6) stored top-2k vs stored top-k ({s}, OOD)", "stored top-2k", "stored top-k", s,
                    "ood", 1),
         ]  # fmt: skip
-    holm(family)
-    for v in outside:
-        v.note = "reported either way, outside the Holm family"
-        v.holm = "outside Holm" if v.verdict != "not run" else "not run"
-    return family + outside
+    return holm_beside(family, outside)
 
 
 def report_hold_stored(grid, studies: list, results: list[dict], out: Path) -> str:

@@ -209,6 +209,10 @@ def extreme(claim: str, pairwise: dict[str, dict[int, list[float]]], direction: 
     return Verdict(claim, worst.estimate, worst.ci, p, word, note + f" (closest: {worst.claim})", p_t=p_t)
 
 
+#: the note of a claim a grid reports either way, outside its Holm family
+OUTSIDE_NOTE = "reported either way, outside the Holm family"
+
+
 def holm(verdicts: list[Verdict], alpha: float = ALPHA) -> list[Verdict]:
     """Holm's step-down over the claims' p-values: each keeps its verdict only if Holm rejects its null."""
     ranked = sorted((v for v in verdicts if not math.isnan(v.p)), key=lambda v: v.p)
@@ -219,6 +223,15 @@ def holm(verdicts: list[Verdict], alpha: float = ALPHA) -> list[Verdict]:
     for v in verdicts:
         v.holm = v.holm or v.verdict
     return verdicts
+
+
+def holm_beside(family: list[Verdict], outside: list[Verdict]) -> list[Verdict]:
+    """Holm across ``family``; then ``outside``, unadjusted, each noted as reported either way outside the family."""
+    holm(family)
+    for v in outside:
+        v.note = OUTSIDE_NOTE
+        v.holm = "outside Holm" if v.verdict != "not run" else "not run"
+    return family + outside
 
 
 def cost_under(claim: str, diffs: dict[int, list[float]], cost: float, note: str = "") -> Verdict:
