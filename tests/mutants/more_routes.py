@@ -83,13 +83,17 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         name="frequency_borrows_another_bases_cells",
-        story="the frequency grid copies the beta grid's cells without checking that they pin the same base "
-        "weights and recipe: its pairs may mix two bases",
+        story="a grid copies another grid's shipped cells (the frequency grid the beta grid's, hold-stored hold's and "
+        "hold-target's) without checking that they pin the same base weights and recipe: its pairs may mix two bases",
         path="toyworld/study/paired.py",
-        function="PairedStudy.paired_cell",
-        pattern=r'if any\(theirs\.get\(k\) != ours\.get\(k\) for k in \("post_recipe", "base_sha256"\)\):',
-        replacement="if False:",
-        tests=("tests/toyworld/study/test_paired.py::test_probability_cells_are_the_shipped_beta_grids_files",),
+        function="shipped_base",
+        pattern=r"return base if all\(theirs\.get\(k\) == ours\.get\(k\) "
+        r'for k in \("post_recipe", "base_sha256"\)\) else None',
+        replacement="return base",
+        tests=(
+            "tests/toyworld/study/test_paired.py::test_probability_cells_are_the_shipped_beta_grids_files",
+            "tests/toyworld/grids/test_hold_stored.py::test_without_a_shipped_base_of_the_same_pins_every_cell_is_trained_here",
+        ),
     ),
     Mutant(
         name="revert_only_the_router_weight",
