@@ -50,17 +50,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from rpb.fileio import atomic_path
 from rpb.toyworld.grids.hold import ROUTES_SELECTION, STORED_ANCHOR
 from rpb.toyworld.grids.hold_target import HOLD_LAMBDA
 from rpb.toyworld.study.cells import Study, _NoBar
 from rpb.toyworld.study.grid import BASES, SEEDS, STUDY_POST, Arm, Grid
-from rpb.toyworld.study.paired import SHIPPED_RESULTS, shipped_base
+from rpb.toyworld.study.paired import SHIPPED_RESULTS, copy_cell, shipped_base
 from rpb.toyworld.study.stats import Verdict, equivalent, greater, holm_beside, judge_paired, threshold_above
 from rpb.toyworld.world.generators import POST_SETS
 
@@ -142,11 +140,6 @@ class HoldStoredStudy(Study):
         """``grid``'s shipped folder of this base, if it pins the same base weights and recipe as this one."""
         return shipped_base(self, self.shipped_results, grid)
 
-    def _copy(self, source: Path, done: Path) -> None:
-        if source.is_file() and not done.is_file():
-            with atomic_path(done) as tmp:
-                shutil.copyfile(source, tmp)
-
     def copied_choice(self) -> float | None:
         """The ``hold`` grid's choice for the set cross-entropy on this base (None: it ships no selection here)."""
         hold = self.shipped_base("hold")
@@ -162,7 +155,7 @@ class HoldStoredStudy(Study):
         if (hold := self.shipped_base("hold")) is not None:
             for weight in WEIGHTS:
                 where = f"{ROUTES_SELECTION}-{weight:g}"
-                self._copy(hold / "selection" / where / "result.json", self.out / "selection" / where / "result.json")
+                copy_cell(hold / "selection" / where / "result.json", self.out / "selection" / where / "result.json")
         for post_set in self.grid.sets:
             for form in sorted({a.routes for a in self.grid.arms if a.routes is not None}):
                 self.routes(post_set, form)
@@ -181,7 +174,7 @@ class HoldStoredStudy(Study):
     def grid_cell(self, post_set: str, arm: Arm, seed: int) -> dict:
         where = self.out / "runs" / post_set / arm.slug / f"seed{seed}"
         if (source := self.copy_source(post_set, arm)) is not None:
-            self._copy(source / f"seed{seed}" / "result.json", where / "result.json")
+            copy_cell(source / f"seed{seed}" / "result.json", where / "result.json")
         if arm.label == "routing-kd":  # online, at the hold grid's λ on this base (copied or not)
             return self.cell(where, post_set, arm, seed, HOLD_LAMBDA[self.base_seed])
         return super().grid_cell(post_set, arm, seed)

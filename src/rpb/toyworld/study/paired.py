@@ -34,6 +34,14 @@ def shipped_base(study: Study, shipped_results: Path, grid: str) -> Path | None:
     return base if all(theirs.get(k) == ours.get(k) for k in ("post_recipe", "base_sha256")) else None
 
 
+def copy_cell(source: Path, done: Path) -> None:
+    """A shipped result file copied as it is (its bytes unchanged) to ``done``, atomically; nothing where ``source``
+    is missing or ``done`` already finished."""
+    if source.is_file() and not done.is_file():
+        with atomic_path(done) as tmp:
+            shutil.copyfile(source, tmp)
+
+
 @dataclass
 class PairedStudy(Study):
     """A ``Study`` that takes its probability arms' cells from the shipped paired grid when it pins the same set-up
@@ -54,6 +62,5 @@ class PairedStudy(Study):
         done = self.out / "runs" / post_set / arm.slug / f"seed{seed}" / "result.json"
         source = None if done.is_file() else self.paired_cell(post_set, arm, seed)
         if source is not None:
-            with atomic_path(done) as tmp:
-                shutil.copyfile(source, tmp)
+            copy_cell(source, done)
         return super().grid_cell(post_set, arm, seed)
