@@ -8,17 +8,18 @@ from __future__ import annotations
 import re
 
 from tests.project.test_prose_figures import DOCS, flat, sections, shipped_so_far, table_rows
-from tests.project.test_prose_hold import claim_phrases
+from tests.project.test_prose_hold import bullets, claim_phrases
 
 SHIPPED = DOCS / "results" / "hold-stored"
 HEADING = "**What the toy world's `hold-stored` grid found**"
 
 
 def finding() -> str:
-    """docs/methods.md's paragraph on the grid, from its heading to the next bold heading."""
+    """docs/methods.md's paragraph on the grid, from its heading to the next bold heading, as written (bullets on
+    their own lines)."""
     text = (DOCS / "methods.md").read_text()
     assert HEADING in text
-    return flat(text.split(HEADING, 1)[1].split("\n**", 1)[0])
+    return text.split(HEADING, 1)[1].split("\n**", 1)[0]
 
 
 def moonlight_bytes(report: dict[str, str]) -> set[str]:
@@ -32,11 +33,11 @@ def test_methods_md_quotes_the_hold_stored_report():
     bytes per token are the report's; while bases are missing it says which are shipped, and once whole the
     old advice (routes unproven) is gone."""
     report = sections((SHIPPED / "tables.md").read_text(), "###")
-    said = finding()
+    written = finding()
+    said, by_claim = flat(written), bullets(written)
     assert "](results/hold-stored/tables.md)" in said
-    bullets = {b.split(" ", 1)[0]: b for b in re.split(r" - (?=\()", said)[1:]}
     for number, phrase in claim_phrases(report):
-        assert phrase in bullets.get(number, ""), (number, phrase)
+        assert phrase in by_claim.get(number, ""), (number, phrase)
     for size in moonlight_bytes(report):
         assert re.search(rf"\b{size} bytes\b", said), size
     bases = sorted(int(p.name.removeprefix("base")) for p in SHIPPED.glob("base*") if p.is_dir())

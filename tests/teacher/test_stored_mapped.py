@@ -25,7 +25,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EXPERTS = 512  # a wide router, so that the whole distribution makes a large file from few rows
 ROOM = 16 * 2**20  # the data limit's room above what the process holds before the file is opened
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-HELD: list[torch.Tensor] = []  # the child's free heap, taken up (hold_the_free_heap)
 HELD_AT_MOST = 8 * 2**30  # past this the limit is not binding here at all, which the test reports
 
 
@@ -33,22 +32,21 @@ def vm_data() -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmData:"))
 
 
-def hold_the_free_heap() -> int:
+def hold_the_free_heap() -> list[torch.Tensor]:
     """Every block the allocator still hands out with the data limit at what the process holds now, taken and kept
     (memory freed earlier inside the process's mappings, which the limit does not see: a forked test worker's heap
-    holds what its earlier tests freed), so that what the limit leaves is the room above it. Returns the bytes
-    taken, which stay held for the process's life."""
+    holds what its earlier tests freed), so that what the limit leaves is the room above it. Returns the blocks,
+    which the caller keeps for as long as the limit is to bind."""
     here = vm_data()
     resource.setrlimit(resource.RLIMIT_DATA, (here, resource.RLIM_INFINITY))
-    size, taken = 1 << 30, 0
-    while size >= 1 << 16 and taken < HELD_AT_MOST:
+    size, held = 1 << 30, []
+    while size >= 1 << 16 and sum(map(len, held)) < HELD_AT_MOST:
         try:
-            HELD.append(torch.empty(size, dtype=torch.uint8))  # never written: address space, no resident pages
-            taken += size
+            held.append(torch.empty(size, dtype=torch.uint8))  # never written: address space, no resident pages
         except RuntimeError:
             size //= 2
     resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    return taken
+    return held
 
 
 def train_two_steps_under_the_limit(model_dir, data, small, big, done) -> None:
@@ -86,7 +84,8 @@ def train_two_steps_under_the_limit(model_dir, data, small, big, done) -> None:
     libc = ctypes.CDLL(None)
     libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)  # large blocks mapped and unmapped, never kept in the heap
     libc.malloc_trim(0)  # the heap's free top given back, so that the data size is what the process holds
-    taken = hold_the_free_heap()
+    held = hold_the_free_heap()  # kept to the end of the child
+    taken = sum(map(len, held))
     if taken >= HELD_AT_MOST:
         done.send(f"the data limit does not bind here: {taken} bytes allocated above it")
         return
