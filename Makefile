@@ -13,16 +13,22 @@ $(BIN)/rpb: pyproject.toml tests/integrations/axolotl/pins.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[dev,docs]"
-	echo "$(TORCH)" > $(VENV)/torch-pin.txt && $(BIN)/python -m pip install --quiet -c $(VENV)/torch-pin.txt -e ".[megatron,trl,peft]"
-	@# each tested Megatron-Bridge line in a folder of its own (its wheels, no dependencies resolved into the
-	@# venv), for the contract tests, which put one folder at a time on PYTHONPATH (docs/megatron.md)
+	echo "$(TORCH)" > $(VENV)/torch-pin.txt
+	@# four installs side by side (about 30 s less than one after another): the extras into the venv, and into
+	@# folders of their own (--no-deps, so none reads or writes the venv's packages) each tested Megatron-Bridge
+	@# line's wheels, for the contract tests, which put one folder at a time on PYTHONPATH (docs/megatron.md), and
+	@# axolotl with the Hugging Face stack it pins exactly, for the plugin's contract test, which puts it first on
+	@# PYTHONPATH in a subprocess (tests/integrations/axolotl/pins.txt, docs/training.md); any one failing fails. The
+	@# extras start last: they reinstall rpb, which the lines' commands run
+	pids=""; \
 	for line in $$($(BIN)/python -m rpb.integrations.megatron.versions lines); do \
-	  rm -rf $(VENV)/bridge/$$line && $(BIN)/python -m pip install --quiet --target $(VENV)/bridge/$$line \
-	    $$($(BIN)/python -m rpb.integrations.megatron.versions pip-args $$line) || exit 1; done
-	@# axolotl and the Hugging Face stack it pins exactly, in a folder of its own for the plugin's contract test,
-	@# which puts it first on PYTHONPATH in a subprocess (tests/integrations/axolotl/pins.txt, docs/training.md)
-	rm -rf $(VENV)/axolotl && $(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/axolotl \
-	  -r tests/integrations/axolotl/pins.txt
+	  args=$$($(BIN)/python -m rpb.integrations.megatron.versions pip-args $$line) || exit 1; \
+	  { rm -rf $(VENV)/bridge/$$line && $(BIN)/python -m pip install --quiet --target $(VENV)/bridge/$$line $$args; } & \
+	  pids="$$pids $$!"; done; \
+	{ rm -rf $(VENV)/axolotl && $(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/axolotl \
+	  -r tests/integrations/axolotl/pins.txt; } & pids="$$pids $$!"; \
+	$(BIN)/python -m pip install --quiet -c $(VENV)/torch-pin.txt -e ".[megatron,trl,peft]" & pids="$$pids $$!"; \
+	failed=0; for pid in $$pids; do wait $$pid || failed=1; done; exit $$failed
 	@touch $@
 
 venv: $(BIN)/rpb
